@@ -1,0 +1,300 @@
+"""HF checkpoints <-> (ModelConfig, params, tokenizer): tensor-by-tensor safetensors I/O, no torch."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from eppo_jax.models.config import ModelConfig
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                "Qwen3ForCausalLM": "qwen3"}
+# Buffers some exporters write that are derived, not learned.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclasses.dataclass
+class Pretrained:
+  config: ModelConfig
+  params: Any
+  tokenizer: Any
+  path: Path
+
+
+def resolve_model_dir(path_or_hub_id: str | os.PathLike) -> Path:
+  """A local directory as is; a hub id through the local HF cache only (never downloads)."""
+  path = Path(path_or_hub_id).expanduser()
+  if path.is_dir():
+    return path
+  if path.exists():
+    raise ValueError(f"{path} is a file; pass the model directory that holds config.json")
+  name = str(path_or_hub_id)
+  if name.count("/") != 1 or name.startswith((".", "/")):
+    raise FileNotFoundError(f"no model directory at {name!r} (and it is not a hub id 'org/name')")
+  from huggingface_hub import snapshot_download  # pylint: disable=g-import-not-at-top
+  try:
+    return Path(snapshot_download(name, local_files_only=True))
+  except Exception as e:  # The hub raises several types for "not cached".
+    raise FileNotFoundError(
+        f"{name!r} is not in the local Hugging Face cache and this loader never downloads. "
+        f"Fetch it first where the hub is reachable (`huggingface-cli download {name}`) or pass "
+        f"a local directory.") from e
+
+
+def config_from_hf(hf: dict, *, dtype: str = "float32", param_dtype: Optional[str] = None,
+                   source: str = "config.json") -> ModelConfig:
+  """Maps an HF `config.json` dict onto ModelConfig; unsupported architectures are refused."""
+  archs = hf.get("architectures") or []
+  arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+  if arch is None:
+    raise ValueError(f"{source}: architectures {archs} are not supported; supported: "
+                     f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+  if hf.get("mlp_bias"):
+    raise ValueError(f"{source}: mlp_bias=true is not supported")
+  if arch == "LlamaForCausalLM" and hf.get("attention_bias"):
+    raise ValueError(f"{source}: Llama with attention_bias=true (o_proj bias) is not supported")
+  # transformers >= 5 nests RoPE settings in `rope_parameters`; older files use two top-level keys.
+  rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+  theta = float(hf.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0)
+  rope.pop("rope_theta", None)
+  if rope.get("rope_type", rope.get("type", "default")) == "default":
+    rope = {}
+  heads = hf["num_attention_heads"]
+  head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+  return ModelConfig(
+      vocab_size=hf["vocab_size"],
+      hidden_size=hf["hidden_size"],
+      intermediate_size=hf["intermediate_size"],
+      num_layers=hf["num_hidden_layers"],
+      num_heads=heads,
+      num_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=head_dim,
+      rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+      rope_theta=theta,
+      rope_scaling=tuple(sorted(rope.items())) or None,
+      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+      qk_norm=arch == "Qwen3ForCausalLM",
+      max_position_embeddings=hf.get("max_position_embeddings", 4096),
+      architecture=arch,
+      dtype=dtype,
+      param_dtype=param_dtype or dtype,
+  )
+
+
+def config_to_hf(config: ModelConfig, tokenizer=None) -> dict:
+  """The `config.json` that `transformers` needs to rebuild this model."""
+  hf = {
+      "architectures": [config.architecture],
+      "model_type": _MODEL_TYPES[config.architecture],
+      "vocab_size": config.vocab_size,
+      "hidden_size": config.hidden_size,
+      "intermediate_size": config.intermediate_size,
+      "num_hidden_layers": config.num_layers,
+      "num_attention_heads": config.num_heads,
+      "num_key_value_heads": config.num_kv_heads,
+      "head_dim": config.head_dim,
+      "hidden_act": "silu",
+      "rms_norm_eps": config.rms_norm_eps,
+      "rope_theta": config.rope_theta,
+      "rope_scaling": config.rope_scaling_dict or None,
+      "tie_word_embeddings": config.tie_word_embeddings,
+      "max_position_embeddings": config.max_position_embeddings,
+      "torch_dtype": config.param_dtype,
+  }
+  if config.architecture == "Qwen3ForCausalLM":
+    hf["attention_bias"] = config.attention_bias
+  if tokenizer is not None:
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+      hf[key] = getattr(tokenizer, key, None)
+  return hf
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+  """Where one HF tensor goes: a param path, a layer index (None if unstacked), a transpose flag."""
+
+  path: tuple[str, ...]
+  layer: Optional[int]
+  transpose: bool
+  hf_shape: tuple[int, ...]
+
+
+def _tensor_map(config: ModelConfig) -> dict[str, _Slot]:
+  """Every tensor the checkpoint must hold for `config`, keyed by its HF name."""
+  d, f, v, h = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
+  q, kv = config.num_heads * h, config.num_kv_heads * h
+  out = {"model.embed_tokens.weight": _Slot(("embed_tokens", "embedding"), None, False, (v, d)),
+         "model.norm.weight": _Slot(("norm", "scale"), None, False, (d,))}
+  if not config.tie_word_embeddings:
+    out["lm_head.weight"] = _Slot(("lm_head", "kernel"), None, True, (v, d))
+  linears = {"self_attn.q_proj": (q, d), "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d),
+             "self_attn.o_proj": (d, q), "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d),
+             "mlp.down_proj": (d, f)}
+  for i in range(config.num_layers):
+    pre = f"model.layers.{i}."
+    for name, shape in linears.items():
+      path = ("layers",) + tuple(name.split("."))
+      out[pre + name + ".weight"] = _Slot(path + ("kernel",), i, True, shape)
+      if config.attention_bias and name.split(".")[1] in ("q_proj", "k_proj", "v_proj"):
+        out[pre + name + ".bias"] = _Slot(path + ("bias",), i, False, (shape[0],))
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+      out[pre + norm + ".weight"] = _Slot(("layers", norm, "scale"), i, False, (d,))
+    if config.qk_norm:
+      for norm in ("q_norm", "k_norm"):
+        out[pre + f"self_attn.{norm}.weight"] = _Slot(("layers", "self_attn", norm, "scale"), i,
+                                                      False, (h,))
+  return out
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+  index = model_dir / "model.safetensors.index.json"
+  if index.exists():
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return [model_dir / s for s in shards]
+  single = model_dir / "model.safetensors"
+  if single.exists():
+    return [single]
+  raise FileNotFoundError(f"{model_dir}: no model.safetensors or model.safetensors.index.json "
+                          "(only safetensors checkpoints are supported)")
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
+
+
+def load_params(model_dir: Path, config: ModelConfig) -> dict:
+  """Reads every tensor once, stacking layers in place; refuses partial or mis-shaped checkpoints."""
+  tensor_map = _tensor_map(config)
+  files = _weight_files(model_dir)
+  where: dict[str, Path] = {}
+  shapes: dict[str, tuple] = {}
+  for file in files:
+    if not file.exists():
+      raise FileNotFoundError(f"{file}: shard listed in the index is missing")
+    with safe_open(file, framework="numpy") as f:
+      for name in f.keys():
+        where[name] = file
+        shapes[name] = tuple(f.get_slice(name).get_shape())
+  missing = sorted(set(tensor_map) - set(where))
+  unexpected = sorted(n for n in set(where) - set(tensor_map)
+                      if not n.endswith(_IGNORED_SUFFIXES)
+                      and not (config.tie_word_embeddings and n == "lm_head.weight"))
+  misshaped = sorted(f"{n}: file {shapes[n]} vs expected {tensor_map[n].hf_shape}"
+                     for n in set(where) & set(tensor_map) if shapes[n] != tensor_map[n].hf_shape)
+  if missing or unexpected or misshaped:
+    raise ValueError(
+        f"checkpoint {model_dir} does not match its config.json ({config.architecture}):\n"
+        f"  missing tensors: {missing[:20]}{' ...' if len(missing) > 20 else ''}\n"
+        f"  unexpected tensors: {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}\n"
+        f"  mis-shaped tensors: {misshaped}\n  files: {[str(p) for p in files]}")
+
+  # Group HF tensors by destination leaf so each stacked [L, ...] leaf is built once, moved to the
+  # device and released: peak host memory stays near one leaf, not a second copy of the model.
+  by_leaf: dict[tuple[str, ...], list[tuple[str, _Slot]]] = {}
+  for name, slot in tensor_map.items():
+    by_leaf.setdefault(slot.path, []).append((name, slot))
+  params: dict = {}
+  dtype = config.weight_dtype
+  for path, entries in by_leaf.items():
+    buffer = None
+    for name, slot in entries:
+      # Open per tensor: the file is memory-mapped, and closing unmaps the pages just read, so
+      # they do not accumulate in the process's resident set.
+      with safe_open(where[name], framework="numpy") as f:
+        tensor = f.get_tensor(name)
+      tensor = tensor.T if slot.transpose else tensor
+      if slot.layer is None:
+        buffer = np.asarray(tensor, dtype=dtype)
+      else:
+        if buffer is None:
+          buffer = np.empty((config.num_layers,) + tensor.shape, dtype)
+        buffer[slot.layer] = tensor
+      del tensor
+    _set(params, path, jnp.asarray(buffer))
+    del buffer
+  return {"params": params}
+
+
+def _iter_hf_tensors(params: dict, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+  """(HF name, array) for every base tensor, LoRA merged into its kernel."""
+  from eppo_jax import lora  # pylint: disable=g-import-not-at-top
+  merged = lora.merge(params, config)["params"]
+  for name, slot in _tensor_map(config).items():
+    leaf = merged
+    for key in slot.path:
+      leaf = leaf[key]
+    value = np.asarray(leaf[slot.layer] if slot.layer is not None else leaf)
+    yield name, np.ascontiguousarray(value.T if slot.transpose else value)
+
+
+def export_hf(params, config: ModelConfig, out_dir, tokenizer=None,
+              max_shard_bytes: int = 4 << 30) -> Path:
+  """Writes safetensors (LoRA merged), config.json and the tokenizer; `transformers` loads it."""
+  out_dir = Path(out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  shards: list[dict[str, np.ndarray]] = [{}]
+  size = 0
+  for name, value in _iter_hf_tensors(params, config):
+    if size and size + value.nbytes > max_shard_bytes:
+      shards.append({})
+      size = 0
+    shards[-1][name] = value
+    size += value.nbytes
+  if len(shards) == 1:
+    save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+  else:
+    weight_map = {}
+    for i, shard in enumerate(shards):
+      fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+      save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+      weight_map.update({name: fname for name in shard})
+    index = {"metadata": {"total_size": sum(v.nbytes for s in shards for v in s.values())},
+             "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+  hf = config_to_hf(config, tokenizer)
+  (out_dir / "config.json").write_text(json.dumps(hf, indent=2))
+  if tokenizer is not None:
+    tokenizer.save_pretrained(str(out_dir))
+  return out_dir
+
+
+def load_tokenizer(model_dir: Path):
+  from transformers import AutoTokenizer  # pylint: disable=g-import-not-at-top
+  tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+  if tokenizer.pad_token_id is None:
+    # Padding positions are always masked, so any id works; EOS keeps the vocabulary unchanged.
+    tokenizer.pad_token = tokenizer.eos_token
+  return tokenizer
+
+
+def load_pretrained(path_or_hub_id, dtype=jnp.float32, *, param_dtype=None,
+                    with_tokenizer: bool = True) -> Pretrained:
+  """Loads an HF Llama / Qwen2 / Qwen3 checkpoint: `.config`, `.params`, `.tokenizer`."""
+  model_dir = resolve_model_dir(path_or_hub_id)
+  config_file = model_dir / "config.json"
+  if not config_file.exists():
+    raise FileNotFoundError(f"{config_file} is missing: not a Hugging Face model directory")
+  dtype_name = jnp.dtype(dtype).name
+  config = config_from_hf(json.loads(config_file.read_text()), dtype=dtype_name,
+                          param_dtype=jnp.dtype(param_dtype).name if param_dtype else None,
+                          source=str(config_file))
+  params = load_params(model_dir, config)
+  tokenizer = load_tokenizer(model_dir) if with_tokenizer else None
+  return Pretrained(config, params, tokenizer, model_dir)
+
+
+def param_bytes(params) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))

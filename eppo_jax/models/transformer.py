@@ -1,0 +1,266 @@
+"""Linen decoder for Llama 3.x, Qwen2/2.5 and Qwen3, with a slot-based KV cache.
+
+Shape letters: B batch, T new tokens, S cache slots, L layers, D hidden, F MLP width, N query heads,
+K key/value heads, H head dim, V vocab.
+
+The cache is a fixed array of `S` slots per sequence plus a validity mask. Every call writes its `T`
+tokens into slots `[index, index + T)` for all rows at once; rows whose chunk is shorter are
+left-padded inside the chunk and the pad slots stay masked. RoPE positions count only valid tokens,
+so a conversation assembled from ragged chunks (prompt, reply, observation, reply, ...) sees exactly
+the positions and keys of the same conversation written contiguously, and `logits()` on the compacted
+sequence reproduces the cached computation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from eppo_jax.models.config import ModelConfig
+
+Params = Any
+Cache = dict  # {"k","v": [L,B,S,K,H], "mask": [B,S] bool, "index": [] int32, "pos": [B] int32}
+
+_MASK_VALUE = -1e30  # Finite, so a fully masked (padding) query row gives a uniform, not NaN, row.
+
+
+def rope_frequencies(config: ModelConfig) -> jnp.ndarray:
+  """Inverse frequencies [H/2] with the config's scaling (none, linear or llama3)."""
+  h = config.head_dim
+  inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+  scaling = config.rope_scaling_dict
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  if kind == "default":
+    return inv_freq
+  if kind == "linear":
+    return inv_freq / scaling["factor"]
+  if kind == "llama3":
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are stretched by `factor`, short ones kept, the band between interpolated.
+    scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return jnp.where(medium, blended, scaled)
+  raise NotImplementedError(f"rope_scaling type {kind!r} is not supported "
+                            "(supported: default, linear, llama3)")
+
+
+def apply_rope(x_BxTxNxH, sin_BxTxH, cos_BxTxH):
+  """Rotates pairs (i, i + H/2), the HF convention."""
+  x1, x2 = jnp.split(x_BxTxNxH, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  sin, cos = sin_BxTxH[:, :, None, :], cos_BxTxH[:, :, None, :]
+  return (x_BxTxNxH * cos + rotated * sin).astype(x_BxTxNxH.dtype)
+
+
+class RMSNorm(nn.Module):
+  eps: float
+  dtype: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return scale.astype(self.dtype) * normed.astype(self.dtype)
+
+
+class Linear(nn.Module):
+  """Dense layer with an optional LoRA branch, applied only when its leaves are in the params.
+
+  Dropping the `lora_a`/`lora_b` leaves from the params (see `lora.base_params`) therefore gives the
+  frozen base model: that is how the KL reference policy is evaluated without a second copy.
+  """
+
+  features: int
+  config: ModelConfig
+  use_bias: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.config
+    kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features),
+                        cfg.weight_dtype)
+    x = x.astype(cfg.compute_dtype)
+    y = x @ kernel.astype(cfg.compute_dtype)
+    if self.use_bias:
+      bias = self.param("bias", nn.initializers.zeros, (self.features,), cfg.weight_dtype)
+      y = y + bias.astype(cfg.compute_dtype)
+    lora = cfg.lora
+    wants_lora = lora is not None and self.name in lora.targets
+    if wants_lora and (self.is_initializing() or self.has_variable("params", "lora_a")):
+      a = self.param("lora_a", nn.initializers.variance_scaling(1.0, "fan_in", "normal"),
+                     (x.shape[-1], lora.rank), jnp.float32)
+      b = self.param("lora_b", nn.initializers.zeros, (lora.rank, self.features), jnp.float32)
+      y = y + ((x @ a.astype(x.dtype)) @ b.astype(x.dtype)) * lora.scale
+    return y
+
+
+class Attention(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxD, sin, cos, mask_BxTxS, kv_cache, index):
+    cfg = self.config
+    b, t, _ = x_BxTxD.shape
+    n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q_BxTxNxH = Linear(n * h, cfg, cfg.attention_bias, name="q_proj")(x_BxTxD).reshape(b, t, n, h)
+    k_BxTxKxH = Linear(k * h, cfg, cfg.attention_bias, name="k_proj")(x_BxTxD).reshape(b, t, k, h)
+    v_BxTxKxH = Linear(k * h, cfg, cfg.attention_bias, name="v_proj")(x_BxTxD).reshape(b, t, k, h)
+    if cfg.qk_norm:
+      norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.weight_dtype, name=name)
+      q_BxTxNxH, k_BxTxKxH = norm("q_norm")(q_BxTxNxH), norm("k_norm")(k_BxTxKxH)
+    q_BxTxNxH = apply_rope(q_BxTxNxH, sin, cos)
+    k_BxTxKxH = apply_rope(k_BxTxKxH, sin, cos)
+
+    if kv_cache is None:
+      keys_BxSxKxH, values_BxSxKxH, new_cache = k_BxTxKxH, v_BxTxKxH, None
+    else:
+      cache_k, cache_v = kv_cache
+      start = (0, index, 0, 0)
+      keys_BxSxKxH = jax.lax.dynamic_update_slice(cache_k, k_BxTxKxH.astype(cache_k.dtype), start)
+      values_BxSxKxH = jax.lax.dynamic_update_slice(cache_v, v_BxTxKxH.astype(cache_v.dtype), start)
+      new_cache = (keys_BxSxKxH, values_BxSxKxH)
+
+    # Grouped-query attention: query heads are grouped G = N / K per key/value head.
+    q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, k, n // k, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, keys_BxSxKxH.astype(q_BxTxNxH.dtype),
+                        preferred_element_type=jnp.float32) / math.sqrt(h)
+    scores = jnp.where(mask_BxTxS[:, None, None], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(cfg.compute_dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, values_BxSxKxH.astype(cfg.compute_dtype))
+    out_BxTxD = Linear(cfg.hidden_size, cfg, name="o_proj")(out.reshape(b, t, n * h))
+    return out_BxTxD, new_cache
+
+
+class MLP(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxD):
+    cfg = self.config
+    gate = Linear(cfg.intermediate_size, cfg, name="gate_proj")(x_BxTxD)
+    up = Linear(cfg.intermediate_size, cfg, name="up_proj")(x_BxTxD)
+    return Linear(cfg.hidden_size, cfg, name="down_proj")(nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+  """Pre-norm block; scanned over layers, so `kv_cache` is this layer's slice of the stacked cache."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxD, sin, cos, mask_BxTxS, kv_cache, index):
+    cfg = self.config
+    norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.weight_dtype, name=name)
+    attn_out, new_cache = Attention(cfg, name="self_attn")(
+        norm("input_layernorm")(x_BxTxD), sin, cos, mask_BxTxS, kv_cache, index)
+    x_BxTxD = x_BxTxD + attn_out
+    x_BxTxD = x_BxTxD + MLP(cfg, name="mlp")(norm("post_attention_layernorm")(x_BxTxD))
+    return x_BxTxD, new_cache
+
+
+class Transformer(nn.Module):
+  """Token ids in, float32 logits out; layers are scanned so compile time does not grow with L."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, kv_cache=None, index=None):
+    cfg = self.config
+    embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=cfg.weight_dtype,
+                     embedding_init=nn.initializers.normal(0.02), name="embed_tokens")
+    x_BxTxD = embed(tokens_BxT).astype(cfg.compute_dtype)
+    angles = positions_BxT[..., None].astype(jnp.float32) * rope_frequencies(cfg)
+    angles_BxTxH = jnp.concatenate([angles, angles], axis=-1)
+    sin, cos = (f(angles_BxTxH).astype(cfg.compute_dtype) for f in (jnp.sin, jnp.cos))
+
+    layer_cls = nn.remat(DecoderLayer, prevent_cse=False) if cfg.remat else DecoderLayer
+    layers = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
+                     in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0, nn.broadcast),
+                     length=cfg.num_layers)
+    x_BxTxD, new_cache = layers(cfg, name="layers")(x_BxTxD, sin, cos, mask_BxTxS, kv_cache, index)
+
+    x_BxTxD = RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.weight_dtype, name="norm")(x_BxTxD)
+    if cfg.tie_word_embeddings:
+      logits = x_BxTxD @ embed.embedding.astype(cfg.compute_dtype).T
+    else:
+      logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype,
+                        param_dtype=cfg.weight_dtype, name="lm_head")(x_BxTxD)
+    return logits.astype(jnp.float32), new_cache
+
+
+def init_params(config: ModelConfig, rng: jax.Array) -> Params:
+  """Random parameters (plus LoRA leaves when `config.lora` is set), without materialising a batch."""
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  mask = jnp.ones((1, 1, 1), bool)
+  return Transformer(config).init(rng, tokens, tokens, mask)
+
+
+def positions_from_mask(mask_BxT, start_B=None):
+  """RoPE position of each token = number of valid tokens before it (pads repeat a neighbour's)."""
+  pos = jnp.cumsum(mask_BxT.astype(jnp.int32), axis=1) - 1
+  if start_B is not None:
+    pos = pos + start_B[:, None]
+  return jnp.maximum(pos, 0)
+
+
+def logits(params: Params, config: ModelConfig, tokens_BxT, attention_mask_BxT) -> jax.Array:
+  """Full causal forward without cache -> float32 logits [B,T,V]; works on left or right padding."""
+  valid_BxT = attention_mask_BxT.astype(bool)
+  t = tokens_BxT.shape[1]
+  causal_TxT = jnp.tril(jnp.ones((t, t), bool))
+  mask_BxTxT = causal_TxT[None] & valid_BxT[:, None, :]
+  out, _ = Transformer(config).apply(params, tokens_BxT, positions_from_mask(valid_BxT), mask_BxTxT)
+  return out
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
+  """Empty cache of `max_len` slots per sequence."""
+  shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+  dtype = dtype or config.compute_dtype
+  return {
+      "k": jnp.zeros(shape, dtype),
+      "v": jnp.zeros(shape, dtype),
+      "mask": jnp.zeros((batch, max_len), bool),
+      "index": jnp.zeros((), jnp.int32),  # Next slot to write, shared by all rows.
+      "pos": jnp.zeros((batch,), jnp.int32),  # Next RoPE position of each row.
+  }
+
+
+def forward_with_cache(params: Params, config: ModelConfig, tokens_BxT, token_mask_BxT,
+                       cache: Cache) -> tuple[jax.Array, Cache]:
+  """Writes `T` new tokens at `cache["index"]` and returns their float32 logits [B,T,V].
+
+  Rows may be left-padded inside the chunk (`token_mask_BxT` False on pads); pads are never attended.
+  The caller guarantees `index + T <= S` (checked statically where shapes allow).
+  """
+  t, s = tokens_BxT.shape[1], cache["mask"].shape[1]
+  if t > s:
+    raise ValueError(f"chunk of {t} tokens does not fit a cache of {s} slots")
+  index = cache["index"]
+  valid_BxT = token_mask_BxT.astype(bool)
+  positions_BxT = positions_from_mask(valid_BxT, cache["pos"])
+  slot_mask_BxS = jax.lax.dynamic_update_slice(cache["mask"], valid_BxT, (0, index))
+  query_slot_T = index + jnp.arange(t)
+  causal_TxS = jnp.arange(s)[None, :] <= query_slot_T[:, None]
+  mask_BxTxS = causal_TxS[None] & slot_mask_BxS[:, None, :]
+  out, (k, v) = Transformer(config).apply(params, tokens_BxT, positions_BxT, mask_BxTxS,
+                                          (cache["k"], cache["v"]), index)
+  new_cache = {
+      "k": k,
+      "v": v,
+      "mask": slot_mask_BxS,
+      "index": index + t,
+      "pos": cache["pos"] + valid_BxT.sum(axis=1, dtype=jnp.int32),
+  }
+  return out, new_cache

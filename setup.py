@@ -1,0 +1,42 @@
+"""Package definition for eppo_jax."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="eppo_jax",
+    version="0.1.0",
+    description="Multi-task agentic RL for LLMs with Entropy Pacing Policy Optimization, in JAX/Flax",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["eppo_jax", "eppo_jax.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "jax>=0.6.0",
+        "flax>=0.10.4",
+        "optax>=0.2.4",
+        "orbax-checkpoint>=0.11.0",
+        "transformers>=4.51.0",
+        "tokenizers>=0.21.0",
+        "safetensors>=0.5.0",
+        "huggingface-hub>=0.30.0",
+        "numpy>=1.26",
+        "ml-collections>=1.0.0",
+        "absl-py>=2.1.0",
+        "gymnasium>=1.0.0",
+        "tensorboardX>=2.6.2",
+        "tqdm>=4.66.0",
+        "matplotlib>=3.8.0",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8.0",
+            "pytest-xdist>=3.5",
+            "hypothesis>=6.100",
+            "torch==2.13.0",
+            "nbclient>=0.10.0",
+            "nbformat>=5.10.0",
+            "ipykernel>=6.29.0",
+        ],
+        "textworld": ["textworld>=1.6.0"],
+    },
+)
