@@ -1,0 +1,292 @@
+"""Multi-turn episode collection on the host: chat template, action parsing, loss masks.
+
+An episode is one conversation, and one token sequence: the prompt (system instructions + first
+observation), then turns of (assistant reply, environment observation). The policy sees the
+conversation through a KV cache that is extended turn by turn, so it is never re-encoded; what it
+saw is recorded token for token, and only the tokens it generated carry loss.
+
+A `Policy` is any callable that continues a batch of conversations by one assistant turn:
+
+    policy(chunk_BxC, chunk_mask_BxC, state, active_B) -> (reply_BxN, reply_mask_BxN, state)
+
+`chunk` holds the new tokens of each conversation (left-padded, mask False on pads and on
+inactive rows), `reply_mask` marks the generated tokens up to and including the stop token, and
+`state` is whatever the policy carries between turns (the KV cache); it is None on the first turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import traceback
+from concurrent import futures
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from eppo_jax.envs.base import format_action, parse_action
+
+_SENTINEL = "\u2063EPPO_REPLY\u2063"  # Marks where the reply sits when rendering the template.
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Instance:
+  """One task instance; the `G` episodes of a GRPO group share it."""
+
+  task_id: int
+  spec: str  # "name:level"
+  seed: int
+
+
+@dataclasses.dataclass
+class EpisodeBatch:
+  """Host arrays for B episodes; sequences are right-padded to a bucketed length T."""
+
+  tokens: np.ndarray  # [B,T] int32
+  attention_mask: np.ndarray  # [B,T] bool
+  loss_mask: np.ndarray  # [B,T] bool: the assistant's generated tokens only
+  task_ids: np.ndarray  # [B] int32
+  group_ids: np.ndarray  # [B] int32: episodes of one instance share a group id
+  rewards: np.ndarray  # [B] float32: episode return
+  success: np.ndarray  # [B] bool: the environment's own verdict
+  turns: np.ndarray  # [B] int32
+  invalid_actions: np.ndarray  # [B] int32
+  failed: np.ndarray  # [B] bool: the environment raised or timed out
+  truncated: np.ndarray  # [B] bool: cut by the turn or token budget
+
+  @property
+  def num_tokens(self) -> np.ndarray:
+    return self.attention_mask.sum(axis=1)
+
+  def replies(self, tokenizer, b: int) -> list[str]:
+    """Decoded assistant turns of episode `b` (maximal runs of loss-masked tokens)."""
+    mask = self.loss_mask[b]
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(int), [0]])))
+    return [tokenizer.decode(self.tokens[b, s:e]) for s, e in zip(edges[::2], edges[1::2])]
+
+
+Policy = Callable[[np.ndarray, np.ndarray, object, np.ndarray], tuple]
+
+
+def bucket(n: int, multiple: int = 32) -> int:
+  """Rounds a length up so jitted shapes come from a handful of sizes."""
+  return max(multiple, -(-n // multiple) * multiple)
+
+
+class ChatFormat:
+  """Token pieces of a conversation, rendered by the tokenizer's own chat template."""
+
+  def __init__(self, tokenizer, stop_token_ids: Sequence[int]):
+    self.tokenizer = tokenizer
+    self.stop_token_ids = tuple(stop_token_ids)
+    self._stop_texts = tuple(tokenizer.decode([t]) for t in self.stop_token_ids)
+
+  def _encode(self, text: str) -> list[int]:
+    return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+  def prompt(self, instructions: str, observation: str) -> list[int]:
+    messages = [{"role": "system", "content": instructions},
+                {"role": "user", "content": observation}]
+    return self._encode(self.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False))
+
+  def next_turn(self, observation: str, reply_stopped: bool) -> list[int]:
+    """Tokens that close the reply, hold the observation, and open the next assistant turn."""
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL},
+                {"role": "user", "content": observation}]
+    text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                              tokenize=False)
+    suffix = text.split(_SENTINEL, 1)[1]
+    if reply_stopped:  # The generated stop token already closed the reply.
+      for stop in self._stop_texts:
+        if suffix.startswith(stop):
+          suffix = suffix[len(stop):]
+          break
+    return self._encode(suffix)
+
+  def reply_tokens(self, action: str) -> list[int]:
+    """A demonstration reply: the formatted action and the stop token."""
+    return self._encode(format_action(action)) + [self.stop_token_ids[0]]
+
+
+def _left_pad(rows: list[list[int]], width: int, pad_id: int):
+  tokens = np.full((len(rows), width), pad_id, np.int32)
+  mask = np.zeros((len(rows), width), bool)
+  for b, row in enumerate(rows):
+    if row:
+      tokens[b, width - len(row):] = row
+      mask[b, width - len(row):] = True
+  return tokens, mask
+
+
+def _safe_step(env, action):
+  """env.step that turns any exception into a failed, finished step."""
+  try:
+    return env.step(action), None
+  except Exception:  # pylint: disable=broad-except
+    return None, traceback.format_exc()
+
+
+class EnvStepper:
+  """Steps a list of environments, in a thread pool when `workers > 0`, with a per-step timeout.
+
+  A step that raises or times out ends that episode as a failure; the rest of the batch goes on.
+  Each distinct failure is logged once with its traceback.
+  """
+
+  def __init__(self, workers: int = 0, timeout_s: float = 30.0):
+    self._pool = futures.ThreadPoolExecutor(workers) if workers > 0 else None
+    self._timeout = timeout_s
+    self._seen: set[str] = set()
+    self.seconds = 0.0  # Wall time spent stepping, for the trainer's time split.
+
+  def step(self, envs, actions):
+    start = time.perf_counter()
+    if self._pool is None:
+      results = [_safe_step(env, a) for env, a in zip(envs, actions)]
+    else:
+      pending = [self._pool.submit(_safe_step, env, a) for env, a in zip(envs, actions)]
+      results = []
+      for env, future in zip(envs, pending):
+        try:
+          results.append(future.result(timeout=self._timeout))
+        except futures.TimeoutError:
+          results.append((None, f"{env!r}: step timed out after {self._timeout}s"))
+    for _, error in results:
+      if error is not None and error.splitlines()[-1] not in self._seen:
+        self._seen.add(error.splitlines()[-1])
+        log.warning("environment failure (episode ends as failed; logged once):\n%s", error)
+    self.seconds += time.perf_counter() - start
+    return results
+
+  def close(self):
+    if self._pool is not None:
+      self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str], object],
+                     instances: Sequence[Instance], group_size: int, *, max_turns: int,
+                     max_new_tokens: int, max_slots: int, stepper: Optional[EnvStepper] = None,
+                     pad_id: int = 0, length_multiple: int = 32) -> EpisodeBatch:
+  """Plays `group_size` episodes of every instance in lock step, one policy call per turn.
+
+  `max_slots` is the policy's KV-cache size: every turn writes a chunk and a reply of the batch's
+  common (bucketed) width, and episodes are cut (truncated) before the cache would overflow.
+  """
+  stepper = stepper or EnvStepper()
+  episodes = [(i, inst) for i, inst in enumerate(instances) for _ in range(group_size)]
+  n = len(episodes)
+  envs = [make_env(inst.spec) for _, inst in episodes]
+  conv = [[] for _ in range(n)]  # Token ids of each conversation, in order.
+  conv_mask = [[] for _ in range(n)]  # True on generated tokens.
+  pending = []  # Tokens each conversation still has to show the policy.
+  rewards, turns, invalid = np.zeros(n, np.float32), np.zeros(n, np.int32), np.zeros(n, np.int32)
+  success, failed, truncated = np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool)
+  active = np.ones(n, bool)
+  for b, (_, inst) in enumerate(episodes):
+    try:
+      observation, _ = envs[b].reset(inst.seed)
+      pending.append(chat.prompt(envs[b].instructions, observation))
+    except Exception:  # pylint: disable=broad-except
+      log.warning("reset failed for %s seed %d:\n%s", inst.spec, inst.seed,
+                      traceback.format_exc())
+      pending.append([])
+      failed[b], active[b] = True, False
+
+  state, slots = None, 0
+  for _ in range(max_turns):
+    width = bucket(max((len(p) for p, a in zip(pending, active) if a), default=1),
+                   length_multiple)
+    if slots + width + max_new_tokens > max_slots:
+      truncated |= active  # The next turn would overflow the cache.
+      break
+    if not active.any():
+      break
+    chunk, chunk_mask = _left_pad([p if a else [] for p, a in zip(pending, active)], width,
+                                  pad_id)
+    reply, reply_mask, state = policy(chunk, chunk_mask, state, active.copy())
+    reply, reply_mask = np.asarray(reply), np.asarray(reply_mask, bool)
+    slots += width + reply.shape[1]
+    stepping = np.flatnonzero(active)
+    actions = []
+    for b in stepping:
+      generated = reply[b][reply_mask[b]].tolist()
+      conv[b] += pending[b] + generated
+      conv_mask[b] += [False] * len(pending[b]) + [True] * len(generated)
+      actions.append(parse_action(chat.tokenizer.decode(generated, skip_special_tokens=True)))
+      turns[b] += 1
+    results = stepper.step([envs[b] for b in stepping], actions)
+    for b, (result, error) in zip(stepping, results):
+      if error is not None:
+        failed[b], active[b] = True, False
+        continue
+      observation, reward, done, info = result
+      rewards[b] += reward
+      invalid[b] += int(info.get("invalid_action", False))
+      success[b] = bool(info.get("won", False))
+      truncated[b] = bool(info.get("truncated", False))
+      stopped = bool(conv[b]) and conv[b][-1] in chat.stop_token_ids and conv_mask[b][-1]
+      if done:
+        active[b] = False
+      else:
+        pending[b] = chat.next_turn(observation, stopped)
+  truncated |= active  # Still playing after max_turns.
+  for env in envs:
+    try:
+      env.close()
+    except Exception:  # pylint: disable=broad-except
+      pass
+
+  width = bucket(max(1, max(len(c) for c in conv)), length_multiple)
+  tokens = np.full((n, width), pad_id, np.int32)
+  attention, loss = np.zeros((n, width), bool), np.zeros((n, width), bool)
+  for b in range(n):
+    tokens[b, :len(conv[b])] = conv[b]
+    attention[b, :len(conv[b])] = True
+    loss[b, :len(conv[b])] = conv_mask[b]
+  return EpisodeBatch(
+      tokens=tokens, attention_mask=attention, loss_mask=loss,
+      task_ids=np.array([inst.task_id for _, inst in episodes], np.int32),
+      group_ids=np.array([g for g, _ in episodes], np.int32),
+      rewards=rewards, success=success, turns=turns, invalid_actions=invalid, failed=failed,
+      truncated=truncated & ~success)
+
+
+class ScriptedPolicy:
+  """Replies with given action strings (the expert's, for demonstrations and tests)."""
+
+  def __init__(self, chat: ChatFormat, actions: Sequence[Sequence[str]], width: int,
+               pad_id: int = 0):
+    self._chat, self._actions, self._width, self._pad = chat, actions, width, pad_id
+    self._turn = 0
+
+  def __call__(self, chunk, chunk_mask, state, active):
+    rows = []
+    for b, acts in enumerate(self._actions):
+      if active[b] and self._turn < len(acts):
+        rows.append(self._chat.reply_tokens(acts[self._turn])[:self._width])
+      else:
+        rows.append([])
+    self._turn += 1
+    reply = np.full((len(rows), self._width), self._pad, np.int32)
+    mask = np.zeros_like(reply, bool)
+    for b, row in enumerate(rows):
+      reply[b, :len(row)], mask[b, :len(row)] = row, True
+    return reply, mask, state
+
+
+def expert_episodes(chat: ChatFormat, make_env, instances: Sequence[Instance], *, max_turns: int,
+                    max_new_tokens: int, max_slots: int, pad_id: int = 0) -> EpisodeBatch:
+  """Demonstrations: the expert's actions played through the same episode loop as the policy."""
+  actions = []
+  for inst in instances:
+    env = make_env(inst.spec)
+    env.reset(inst.seed)
+    actions.append(env.solve())
+    env.close()
+  policy = ScriptedPolicy(chat, actions, max_new_tokens, pad_id)
+  return collect_episodes(policy, chat, make_env, instances, 1, max_turns=max_turns,
+                          max_new_tokens=max_new_tokens, max_slots=max_slots, pad_id=pad_id)

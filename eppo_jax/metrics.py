@@ -1,0 +1,120 @@
+"""Run logs: JSONL (the source of truth), TensorBoard, a progress bar, and per-task PNG plots."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+# Per-task series drawn in `plots.png`, one panel each.
+PLOTTED = (("entropy", "token entropy (nats)"), ("eps_low", "clip bound ε_low"),
+           ("eps_high", "clip bound ε_high"), ("success", "train success"),
+           ("eval_success", "eval success (greedy)"), ("clip_frac", "clip fraction"))
+
+
+def _scalar(value):
+  value = float(np.asarray(value))
+  return value if math.isfinite(value) else None  # JSON has no NaN; None keeps the key visible.
+
+
+def flatten(step: int, scalars: dict, per_task: dict, task_names) -> dict:
+  """One JSON record: global scalars plus `task/<name>/<metric>` keys."""
+  record = {"step": int(step)}
+  record.update({k: _scalar(v) for k, v in scalars.items()})
+  for metric, values in per_task.items():
+    for name, value in zip(task_names, np.asarray(values).reshape(-1)):
+      record[f"task/{name}/{metric}"] = _scalar(value)
+  return record
+
+
+class MetricsLogger:
+  """Writes each record to `metrics.jsonl` and TensorBoard, and keeps the history for plots.
+
+  Only the first process of a multi-host job writes; the others keep the history in memory, so a
+  checkpoint taken on any host holds the same metrics.
+  """
+
+  def __init__(self, workdir, task_names, total_steps: int, *, tensorboard: bool = True,
+               plots: bool = True, write: bool = True, history: Optional[list] = None):
+    self.workdir = Path(workdir)
+    self.task_names = list(task_names)
+    self.history = list(history or [])
+    self._plots = plots and write
+    self._write = write
+    self._tb = None
+    self._bar = None
+    self._total = total_steps
+    if write:
+      self.workdir.mkdir(parents=True, exist_ok=True)
+      # Rewritten from the given history: a resumed run drops records past its checkpoint.
+      self._jsonl = open(self.workdir / "metrics.jsonl", "w", encoding="utf-8")
+      for record in self.history:
+        self._jsonl.write(json.dumps(record) + "\n")
+      if tensorboard:
+        from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+        self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
+
+  def log(self, step: int, scalars: dict, per_task: Optional[dict] = None) -> dict:
+    record = flatten(step, scalars, per_task or {}, self.task_names)
+    record["time"] = time.time()
+    self.history.append(record)
+    if self._write:
+      self._jsonl.write(json.dumps(record) + "\n")
+      self._jsonl.flush()
+      if self._tb is not None:
+        for key, value in record.items():
+          if key not in ("step", "time") and value is not None:
+            self._tb.add_scalar(key, value, step)
+    return record
+
+  def progress(self, step: int, summary: str) -> None:
+    """A tqdm bar with ETA; `summary` is a short live text such as per-task success."""
+    if not self._write:
+      return
+    if self._bar is None:
+      from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+      self._bar = tqdm(total=self._total, initial=step - 1, desc="rl", dynamic_ncols=True)
+    self._bar.update(1)
+    self._bar.set_postfix_str(summary, refresh=True)
+
+  def series(self, key: str):
+    """(steps, values) of one key over the history, skipping records without it."""
+    points = [(r["step"], r[key]) for r in self.history if r.get(key) is not None]
+    return tuple(np.array(v) for v in zip(*points)) if points else (np.array([]), np.array([]))
+
+  def plot(self) -> Optional[Path]:
+    """Per-task curves of entropy, bounds and success -> `plots.png` in the workdir."""
+    if not self._plots or not self.history:
+      return None
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+    cols = 3
+    rows = math.ceil(len(PLOTTED) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
+    for ax, (metric, title) in zip(axes.flat, PLOTTED):
+      for name in self.task_names:
+        steps, values = self.series(f"task/{name}/{metric}")
+        if len(steps):
+          ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=name)
+      ax.set_title(title)
+      ax.set_xlabel("RL step")
+      ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    path = self.workdir / "plots.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+    if self._write:
+      self._jsonl.close()
+      if self._tb is not None:
+        self._tb.close()

@@ -1,0 +1,100 @@
+"""Data parallelism with `jax.pmap` over every device of every host.
+
+Batches are laid out `[local_devices, per_device, ...]`; each host feeds its own devices with the
+episodes it collected, and collectives over `AXIS` span all hosts once `jax.distributed` is up.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import logging
+
+AXIS = "data"
+
+# Variables that tell a multi-host launcher started this process (TPU pods set their own metadata,
+# which `jax.distributed.initialize()` reads without arguments).
+_LAUNCHER_VARS = ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES",
+                  "MEGASCALE_COORDINATOR_ADDRESS")
+
+
+def initialize(cfg) -> None:
+  """Starts `jax.distributed` per `cfg.distributed` ("auto" | "on" | "off"); idempotent."""
+  mode = cfg.initialize
+  if mode not in ("auto", "on", "off"):
+    raise ValueError(f"distributed.initialize must be auto, on or off; got {mode!r}")
+  explicit = bool(cfg.coordinator_address)
+  wanted = mode == "on" or (mode == "auto" and (explicit or any(v in os.environ
+                                                                  for v in _LAUNCHER_VARS)))
+  if not wanted or jax.distributed.is_initialized():
+    return
+  kwargs = {}
+  if explicit:
+    kwargs = dict(coordinator_address=cfg.coordinator_address,
+                  num_processes=cfg.num_processes, process_id=cfg.process_id)
+  jax.distributed.initialize(**kwargs)
+  logging.getLogger(__name__).info("jax.distributed: process %d of %d, %d local / %d global devices",
+               jax.process_index(), jax.process_count(), jax.local_device_count(),
+               jax.device_count())
+
+
+def host_share(global_count: int, what: str) -> int:
+  """This host's share of a global count, which must split evenly over hosts and devices."""
+  if global_count % jax.device_count():
+    raise ValueError(f"{what}={global_count} is not divisible by the {jax.device_count()} devices")
+  return global_count // jax.process_count()
+
+
+def shard(tree):
+  """Host arrays [N, ...] -> [local_devices, N / local_devices, ...]."""
+  n = jax.local_device_count()
+
+  def split(x):
+    x = np.asarray(x)
+    if x.shape[0] % n:
+      raise ValueError(f"batch of {x.shape[0]} does not split over {n} local devices")
+    return x.reshape((n, x.shape[0] // n) + x.shape[1:])
+
+  return jax.tree_util.tree_map(split, tree)
+
+
+def unshard(tree):
+  """[local_devices, per_device, ...] -> [N, ...] on the host."""
+  return jax.tree_util.tree_map(lambda x: np.asarray(x).reshape((-1,) + x.shape[2:]), tree)
+
+
+def replicate(tree):
+  """One copy of every leaf on each local device, as a [local_devices, ...] array for pmap."""
+  devices = jax.local_devices()
+  sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), (AXIS,)),
+                                        jax.sharding.PartitionSpec(AXIS))
+
+  def copies(x):
+    x = jnp.asarray(x)
+    return jax.make_array_from_single_device_arrays(
+        (len(devices),) + x.shape, sharding, [jax.device_put(x[None], d) for d in devices])
+
+  return jax.tree_util.tree_map(copies, tree)
+
+
+def unreplicate(tree):
+  """The copy on the first local device (replicas are identical by construction)."""
+
+  def first(x):
+    if isinstance(x, jax.Array) and len(x.addressable_shards) > 1:
+      return x.addressable_shards[0].data[0]  # No cross-device gather.
+    return x[0]
+
+  return jax.tree_util.tree_map(first, tree)
+
+
+def gather_hosts(tree):
+  """Concatenates each leaf's leading axis over hosts (a no-op on one host)."""
+  if jax.process_count() == 1:
+    return tree
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  gathered = multihost_utils.process_allgather(tree, tiled=True)
+  return jax.tree_util.tree_map(np.asarray, gathered)
