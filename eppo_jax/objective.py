@@ -382,6 +382,9 @@ _METHOD_PRESETS = {
 }
 
 
+METHODS = tuple(_METHOD_PRESETS)
+
+
 def method_configs(method: str, **overrides) -> tuple[PacingConfig, LossConfig]:
   """(PacingConfig, LossConfig) of a named method; keyword overrides go to the owning config."""
   if method not in _METHOD_PRESETS:

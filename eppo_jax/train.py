@@ -39,9 +39,8 @@ log = logging.getLogger(__name__)
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """Refuses a bad config before anything is built or compiled, naming the field."""
-  methods = sorted(objective._METHOD_PRESETS)  # pylint: disable=protected-access
-  if config.method not in methods:
-    raise ValueError(f"config.method={config.method!r} is unknown; valid: {methods}")
+  if config.method not in objective.METHODS:
+    raise ValueError(f"config.method={config.method!r} is unknown; valid: {objective.METHODS}")
   objective.method_configs(config.method, **dict(config.pacing.overrides),
                            **dict(config.loss.overrides))
   if not config.tasks.specs:
