@@ -36,6 +36,7 @@ setup(
             "nbclient>=0.10.0",
             "nbformat>=5.10.0",
             "ipykernel>=6.29.0",
+            "textworld>=1.6.0",
         ],
         "textworld": ["textworld>=1.6.0"],
     },

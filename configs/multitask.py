@@ -58,15 +58,18 @@ def base_config() -> ml_collections.ConfigDict:
   # "name:level" specs; their order fixes the integer task ids used in logs and pacing.
   c.tasks.specs = ("sokoban:easy", "frozenlake:easy", "countdown:easy")
   c.tasks.weights = ()  # Sampling weight per task; () = uniform.
+  # System prompt: "instructions" (the task's rules; pretrained models) or "task_name" (one line;
+  # the tiny model learns the format from demonstrations and cannot read rules anyway).
+  c.tasks.system_prompt = "task_name"
   c.tasks.env_workers = 0  # >0 steps environments in a thread pool (slow games like TextWorld).
   c.tasks.step_timeout_s = 30.0  # An environment step slower than this ends its episode.
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.instances_per_step = 16  # Task instances per RL step (summed over all hosts).
   c.rollout.group_size = 4  # G episodes per instance: the GRPO group.
-  c.rollout.max_turns = 6
-  c.rollout.max_new_tokens = 16  # Per assistant turn.
-  c.rollout.max_episode_tokens = 512  # KV-cache slots per episode; longer episodes are cut.
+  c.rollout.max_turns = 8
+  c.rollout.max_new_tokens = 12  # Per assistant turn.
+  c.rollout.max_episode_tokens = 768  # KV-cache slots per episode; longer episodes are cut.
   c.rollout.temperature = 1.0  # Log-probs, entropies and the loss all use this temperature.
   c.rollout.top_p = 1.0
   c.rollout.top_k = 0
@@ -87,7 +90,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.sft = ml_collections.ConfigDict()
   c.sft.enabled = True  # Warm start on expert demonstrations (tiny default; off for HF presets).
   c.sft.demos_per_task = 300
-  c.sft.steps = 300
+  c.sft.steps = 150
   c.sft.batch_size = 32
   c.sft.learning_rate = 3e-3
 
@@ -157,4 +160,5 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     c.tasks.specs = ("sokoban:medium", "frozenlake:medium", "countdown:medium",
                      "textworld_coin:easy", "textworld_treasure:easy", "textworld_cooking:easy")
     c.tasks.env_workers = 16
+    c.tasks.system_prompt = "instructions"
   return c

@@ -5,5 +5,10 @@ from eppo_jax.models.config import LoraConfig, ModelConfig
 from eppo_jax.models.hf import Pretrained, export_hf, load_pretrained
 from eppo_jax.models.tiny import TinySpec, build_tiny_model
 from eppo_jax.models.transformer import forward_with_cache, init_cache, init_params, logits
+from eppo_jax.objective import LossConfig, eppo_loss, grpo_advantages, kl_penalty, method_configs
+from eppo_jax.pacing import (PacingConfig, PacingState, entropy_crossovers, entropy_spikes,
+                             init_pacing, pacing_bounds, pacing_diagnostics, task_entropy,
+                             token_entropy, update_pacing)
+from eppo_jax.sampling import RolloutOutput, SamplingConfig, extend, rollout
 
 __version__ = "0.1.0"

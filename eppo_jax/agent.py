@@ -76,13 +76,28 @@ def bucket(n: int, multiple: int = 32) -> int:
   return max(multiple, -(-n // multiple) * multiple)
 
 
-class ChatFormat:
-  """Token pieces of a conversation, rendered by the tokenizer's own chat template."""
+SYSTEM_PROMPTS = ("instructions", "task_name")
 
-  def __init__(self, tokenizer, stop_token_ids: Sequence[int]):
+
+class ChatFormat:
+  """Token pieces of a conversation, rendered by the tokenizer's own chat template.
+
+  `system_prompt` is "instructions" (the task's full rules and action format: what a pretrained
+  model needs) or "task_name" (one line naming the task: a small model trained from scratch cannot
+  read rules and learns the format from demonstrations, so long instructions would only multiply
+  the tokens of every episode).
+  """
+
+  def __init__(self, tokenizer, stop_token_ids: Sequence[int], system_prompt: str = "instructions"):
+    if system_prompt not in SYSTEM_PROMPTS:
+      raise ValueError(f"system_prompt must be one of {SYSTEM_PROMPTS}, got {system_prompt!r}")
     self.tokenizer = tokenizer
     self.stop_token_ids = tuple(stop_token_ids)
+    self.system_prompt = system_prompt
     self._stop_texts = tuple(tokenizer.decode([t]) for t in self.stop_token_ids)
+
+  def system(self, env) -> str:
+    return env.instructions if self.system_prompt == "instructions" else f"Task: {env.task_name}"
 
   def _encode(self, text: str) -> list[int]:
     return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -189,7 +204,7 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
   for b, (_, inst) in enumerate(episodes):
     try:
       observation, _ = envs[b].reset(inst.seed)
-      pending.append(chat.prompt(envs[b].instructions, observation))
+      pending.append(chat.prompt(chat.system(envs[b]), observation))
     except Exception:  # pylint: disable=broad-except
       log.warning("reset failed for %s seed %d:\n%s", inst.spec, inst.seed,
                       traceback.format_exc())

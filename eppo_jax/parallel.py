@@ -92,9 +92,34 @@ def unreplicate(tree):
 
 
 def gather_hosts(tree):
-  """Concatenates each leaf's leading axis over hosts (a no-op on one host)."""
+  """Concatenates each leaf's leading axis over hosts (a no-op on one host).
+
+  Hosts may hold different numbers of rows (an uneven evaluation split) and different trailing
+  sizes (episode widths); an all-gather needs one shape everywhere, so every leaf is zero-padded to
+  the largest shape over hosts, gathered, and each host's padding rows are dropped again. Trailing
+  axes stay padded with zeros (False, 0) to the widest host.
+  """
   if jax.process_count() == 1:
     return tree
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  gathered = multihost_utils.process_allgather(tree, tiled=True)
-  return jax.tree_util.tree_map(np.asarray, gathered)
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  leaves = [np.asarray(x) for x in leaves]
+  ndim = max([x.ndim for x in leaves] + [1])
+  shapes_LxD = np.array([x.shape + (0,) * (ndim - x.ndim) for x in leaves], np.int64)
+  shapes_PxLxD = np.asarray(multihost_utils.process_allgather(shapes_LxD))
+  target_LxD = shapes_PxLxD.max(axis=0)
+  padded = [np.pad(x, [(0, int(t) - s) for s, t in zip(x.shape, target_LxD[i])])
+            for i, x in enumerate(leaves)]
+  stacked = multihost_utils.process_allgather(padded)  # Each leaf [P, *target].
+  rows_PxL = shapes_PxLxD[:, :, 0]
+  out = [np.concatenate([np.asarray(g)[p, :rows_PxL[p, i]] for p in range(len(rows_PxL))])
+         for i, g in enumerate(stacked)]
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def global_max(value: int) -> int:
+  """The maximum of a host-side integer over all hosts (shapes must agree across hosts)."""
+  if jax.process_count() == 1:
+    return int(value)
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return int(np.max(multihost_utils.process_allgather(np.asarray(value))))

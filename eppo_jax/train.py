@@ -80,7 +80,7 @@ def _tokenizer_corpus(specs, per_task: int = 40) -> list[str]:
     for seed in range(per_task):
       env = registry.make(spec)
       observation, _ = env.reset(10_000 + seed)
-      corpus += [env.instructions, observation]
+      corpus += [env.instructions, f"Task: {env.task_name}", observation]
       for action in env.solve():
         corpus.append(agent.format_action(action))
         observation, _, done, _ = env.step(action)
@@ -177,8 +177,13 @@ def episode_metrics(episodes: agent.EpisodeBatch, num_tasks: int, prefix: str = 
 
 
 def batch_arrays(episodes: agent.EpisodeBatch, group_offset: int) -> dict:
+  """The train_step inputs, padded to a sequence length that every host agrees on."""
   arrays = {k: getattr(episodes, k) for k in _BATCH_KEYS}
   arrays["group_ids"] = arrays["group_ids"] + group_offset  # Globally unique over hosts.
+  width = parallel.global_max(arrays["tokens"].shape[1])
+  for key in ("tokens", "attention_mask", "loss_mask"):
+    x = arrays[key]
+    arrays[key] = np.pad(x, ((0, 0), (0, width - x.shape[1])))
   return arrays
 
 
@@ -223,7 +228,9 @@ def sft_stage(run: Run, trainable, logger: MetricsLogger):
   start = time.time()
   for i in range(s.steps):
     pick = rng.choice(len(demos.rewards), per_host, replace=len(demos.rewards) < per_host)
-    batch = parallel.shard({k: v[pick] for k, v in arrays.items()})
+    # Trim the batch to its longest demonstration (bucketed): fewer pad tokens, few shapes.
+    width = parallel.global_max(agent.bucket(int(demos.attention_mask[pick].sum(1).max()) + 1, 64))
+    batch = parallel.shard({k: v[pick, :width] for k, v in arrays.items()})
     trainable, opt_state, metrics = sft(trainable, opt_state, run.frozen, batch)
     if i % 25 == 0 or i == s.steps - 1:
       loss = float(parallel.unreplicate(metrics)["sft_loss"])
@@ -250,7 +257,7 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
   stop_ids = sorted({tokenizer.eos_token_id} | {tokenizer.convert_tokens_to_ids(s) for s in
                                                ("<|im_end|>", "<|eot_id|>") if s in
                                                tokenizer.get_vocab()})
-  chat = agent.ChatFormat(tokenizer, stop_ids)
+  chat = agent.ChatFormat(tokenizer, stop_ids, config.tasks.system_prompt)
   mask = lora.trainable_mask(params, full_finetune=not config.model.lora_rank)
   trainable, frozen = lora.partition(params, mask)
   n_adapt, n_total = lora.count(params)
