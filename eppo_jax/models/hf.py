@@ -245,6 +245,11 @@ def export_hf(params, config: ModelConfig, out_dir, tokenizer=None,
   """Writes safetensors (LoRA merged), config.json and the tokenizer; `transformers` loads it."""
   out_dir = Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
+  # Weights of an earlier export into the same directory must go: a stale index next to a new
+  # single file (or stale shards next to a new index) would make readers disagree on the weights.
+  for stale in [out_dir / "model.safetensors", out_dir / "model.safetensors.index.json",
+                *out_dir.glob("model-*-of-*.safetensors")]:
+    stale.unlink(missing_ok=True)
   shards: list[dict[str, np.ndarray]] = [{}]
   size = 0
   for name, value in _iter_hf_tensors(params, config):
