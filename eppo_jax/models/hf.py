@@ -175,6 +175,20 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
   tree[path[-1]] = value
 
 
+def _aligned_empty(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.ndarray:
+  """`np.empty` whose data starts on an `alignment`-byte boundary.
+
+  `jax.device_put` on the CPU backend adopts such a buffer without copying it (numpy's own
+  allocations are only 16-byte aligned, so they get copied), so a loaded leaf exists once in host
+  memory instead of twice while it is handed over. Other backends copy to the device either way.
+  """
+  dtype = np.dtype(dtype)
+  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  raw = np.empty(nbytes + alignment, np.uint8)
+  start = -raw.ctypes.data % alignment
+  return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
 def load_params(model_dir: Path, config: ModelConfig) -> dict:
   """Reads every tensor once, stacking layers in place; refuses partial or mis-shaped checkpoints."""
   tensor_map = _tensor_map(config)
@@ -216,14 +230,14 @@ def load_params(model_dir: Path, config: ModelConfig) -> dict:
       with safe_open(where[name], framework="numpy") as f:
         tensor = f.get_tensor(name)
       tensor = tensor.T if slot.transpose else tensor
-      if slot.layer is None:
-        buffer = np.asarray(tensor, dtype=dtype)
-      else:
-        if buffer is None:
-          buffer = np.empty((config.num_layers,) + tensor.shape, dtype)
-        buffer[slot.layer] = tensor
+      if buffer is None:
+        lead = () if slot.layer is None else (config.num_layers,)
+        buffer = _aligned_empty(lead + tensor.shape, dtype)
+      # One copy per tensor: transposition and dtype conversion happen while writing the leaf.
+      buffer[() if slot.layer is None else slot.layer] = tensor
       del tensor
-    _set(params, path, jnp.asarray(buffer))
+    # `device_put`, not `jnp.asarray`: the latter always copies, doubling the leaf on the host.
+    _set(params, path, jax.device_put(buffer))
     del buffer
   return {"params": params}
 
