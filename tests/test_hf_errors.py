@@ -102,15 +102,24 @@ def test_unknown_architecture(checkpoint):
 
 
 def test_unsupported_rope_scaling_is_named(checkpoint):
-  """A RoPE scaling type the decoder does not implement fails loudly, not with wrong positions."""
+  """A RoPE scaling type the decoder does not implement is refused at load, naming type and file."""
   path = checkpoint / "config.json"
   cfg = json.loads(path.read_text())
   cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
   path.write_text(json.dumps(cfg))
-  pre = eppo_jax.load_pretrained(checkpoint, with_tokenizer=False)
-  tokens = np.zeros((1, 4), np.int32)
-  with pytest.raises(NotImplementedError, match="yarn"):
-    eppo_jax.logits(pre.params, pre.config, tokens, np.ones_like(tokens))
+  with pytest.raises(ValueError, match="yarn") as err:
+    eppo_jax.load_pretrained(checkpoint, with_tokenizer=False)
+  assert str(path) in str(err.value)
+
+
+def test_unsupported_activation_is_named(checkpoint):
+  """A non-SiLU MLP would run silently wrong, so it is refused at load."""
+  path = checkpoint / "config.json"
+  cfg = json.loads(path.read_text())
+  cfg["hidden_act"] = "gelu"
+  path.write_text(json.dumps(cfg))
+  with pytest.raises(ValueError, match="gelu"):
+    eppo_jax.load_pretrained(checkpoint, with_tokenizer=False)
 
 
 def test_hub_id_not_in_cache(tmp_path, monkeypatch):

@@ -67,8 +67,13 @@ def config_from_hf(hf: dict, *, dtype: str = "float32", param_dtype: Optional[st
   rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
   theta = float(hf.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0)
   rope.pop("rope_theta", None)
-  if rope.get("rope_type", rope.get("type", "default")) == "default":
+  kind = rope.get("rope_type", rope.get("type", "default"))
+  if kind == "default":
     rope = {}
+  elif kind not in ("linear", "llama3"):
+    raise ValueError(f"{source}: rope type {kind!r} is not supported (default, linear, llama3)")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"{source}: hidden_act={hf['hidden_act']!r} is not supported (silu)")
   heads = hf["num_attention_heads"]
   head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
   return ModelConfig(
