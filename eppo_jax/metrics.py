@@ -77,8 +77,10 @@ class MetricsLogger:
       return
     if self._bar is None:
       from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
-      self._bar = tqdm(total=self._total, initial=step - 1, desc="rl", dynamic_ncols=True)
-    self._bar.update(1)
+      # Starts at this step: the ETA then counts only steps timed in this process.
+      self._bar = tqdm(total=self._total, initial=step, desc="rl", dynamic_ncols=True)
+    else:
+      self._bar.update(step - self._bar.n)
     self._bar.set_postfix_str(summary, refresh=True)
 
   def series(self, key: str):

@@ -9,27 +9,24 @@ import numpy as np
 
 from eppo_jax import parallel
 from eppo_jax.models.config import ModelConfig
+from eppo_jax.models.transformer import init_cache
 from eppo_jax.sampling import SamplingConfig, rollout
 
 
-def _first_turn(params, tokens, mask, rng, *, config, sampling, max_len):
-  out = rollout(params, config, tokens, mask, rng, sampling, max_len=max_len)
-  return out.tokens, out.mask, out.cache
-
-
-def _next_turn(params, tokens, mask, rng, cache, *, config, sampling):
+def _turn(params, tokens, mask, rng, cache, *, config, sampling):
   out = rollout(params, config, tokens, mask, rng, sampling, cache=cache)
   return out.tokens, out.mask, out.cache
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(config: ModelConfig, sampling: SamplingConfig, max_len: int):
-  """The pmapped turn functions, built once per static setting (so jit caches are reused)."""
-  first = jax.pmap(functools.partial(_first_turn, config=config, sampling=sampling,
-                                     max_len=max_len), axis_name=parallel.AXIS)
-  later = jax.pmap(functools.partial(_next_turn, config=config, sampling=sampling),
-                   axis_name=parallel.AXIS, donate_argnums=(4,))
-  return first, later
+def _compiled(config: ModelConfig, sampling: SamplingConfig, batch: int, max_len: int):
+  """(empty-cache maker, one-turn function), pmapped; built once per static setting."""
+  # The empty cache is made by its own program and passed in: allocated inside the turn program,
+  # its zeros would be constants that XLA tries to fold through the attention (slow compiles).
+  empty = jax.pmap(lambda _: init_cache(config, batch, max_len), axis_name=parallel.AXIS)
+  turn = jax.pmap(functools.partial(_turn, config=config, sampling=sampling),
+                  axis_name=parallel.AXIS, donate_argnums=(4,))
+  return empty, turn
 
 
 class ModelPolicy:
@@ -42,7 +39,7 @@ class ModelPolicy:
   def __init__(self, params, config: ModelConfig, sampling: SamplingConfig, max_slots: int,
                rng: jax.Array):
     self._params = params
-    self._first, self._later = _compiled(config, sampling, max_slots)
+    self._config, self._sampling, self._max_slots = config, sampling, max_slots
     self._rng = rng
     self._turn = 0
     self._devices = jax.local_device_count()
@@ -65,10 +62,10 @@ class ModelPolicy:
       chunk_mask_BxC = np.concatenate([chunk_mask_BxC, np.zeros((extra,) + chunk_mask_BxC.shape[1:],
                                                                 bool)])
     tokens, mask = parallel.shard((chunk_BxC, chunk_mask_BxC))
-    if state is None:
-      reply, reply_mask, cache = self._first(self._params, tokens, mask, self._keys())
-    else:
-      reply, reply_mask, cache = self._later(self._params, tokens, mask, self._keys(), state)
+    empty, turn = _compiled(self._config, self._sampling, padded // self._devices,
+                            self._max_slots)
+    cache = empty(np.zeros(self._devices)) if state is None else state
+    reply, reply_mask, cache = turn(self._params, tokens, mask, self._keys(), cache)
     self._turn += 1
     reply, reply_mask = parallel.unshard((reply, reply_mask))
     return reply[:b], reply_mask[:b], cache
