@@ -155,12 +155,15 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
     per_update.append(metrics)
   per_update = jax.tree_util.tree_map(lambda *x: jnp.concatenate(x), *per_update)
   metrics = {k: (v.sum(0) if k == "skipped" else v.mean(0)) for k, v in per_update.items()}
+  advantage_abs_mean = jnp.mean(jnp.abs(advantages_B))  # This device's share (equal sizes).
+  if axis is not None:
+    advantage_abs_mean = lax.pmean(advantage_abs_mean, axis)
   metrics.update(
       entropy_K=ent_K, token_count_K=cnt_K, eps_low_K=eps_low_K, eps_high_K=eps_high_K,
       entropy_ema_K=new_pacing.ema_K, entropy_crossovers=diagnostics["entropy_crossovers"],
       entropy_spikes_K=diagnostics["entropy_spikes_K"].astype(jnp.int32),
       num_entropy_spikes=diagnostics["num_entropy_spikes"],
-      advantage_abs_mean=jnp.mean(jnp.abs(advantages_B)), nonfinite_entropy=1 - healthy)
+      advantage_abs_mean=advantage_abs_mean, nonfinite_entropy=1 - healthy)
   trainable, opt_state = carry
   new_state = TrainState(step=state.step + 1, trainable=trainable, opt_state=opt_state,
                          pacing=new_pacing)
