@@ -46,7 +46,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if not config.tasks.specs:
     raise ValueError("config.tasks.specs is empty")
   for spec in config.tasks.specs:
-    registry.make(spec).close()  # Unknown task or level -> an error that lists the valid ones.
+    try:
+      registry.make(spec).close()  # Unknown task or level -> an error that lists the valid ones.
+    except (KeyError, ValueError) as e:
+      raise ValueError(f"config.tasks.specs: {e}") from e
   if config.tasks.weights and len(config.tasks.weights) != len(config.tasks.specs):
     raise ValueError(f"config.tasks.weights has {len(config.tasks.weights)} entries for "
                      f"{len(config.tasks.specs)} tasks")
