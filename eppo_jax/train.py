@@ -329,6 +329,9 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
     all_episodes = agent.EpisodeBatch(**parallel.gather_hosts(dataclasses.asdict(episodes)))
     scalars, per_task = episode_metrics(all_episodes, len(specs))
     per_task.update({k[:-2]: v for k, v in metrics.items() if k.endswith("_K")})
+    absent = metrics["token_count_K"] == 0  # Batch statistics of a task with no tokens: NaN, not 0.
+    for key in ("entropy", "clip_frac_low", "clip_frac_high", "approx_kl", "pg_loss"):
+      per_task[key] = np.where(absent, np.nan, per_task[key])
     per_task["clip_frac"] = per_task["clip_frac_low"] + per_task["clip_frac_high"]
     scalars.update({k: v for k, v in metrics.items() if not k.endswith("_K")})
     tokens = all_episodes.attention_mask.sum()
