@@ -1,0 +1,355 @@
+"""The trainer: run.py end to end, exact resume, 1 vs 4 devices, NaNs, config checks, 2 hosts."""
+
+import functools
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from eppo_jax import objective, pacing, steps, train
+from eppo_jax.checkpoint import Checkpointer
+from eppo_jax.envs import FrozenLake, registry
+from eppo_jax.models.config import ModelConfig
+from eppo_jax.models.transformer import init_params
+# pylint: disable-next=unused-import
+from pipeline_util import (ROOT, assert_trees_equal, compile_cache, smoke_config, smoke_tiny_dir,
+                           state_like)
+
+LEAN = {"train.tensorboard": False, "train.plots": False, "train.export_hf": False}
+
+
+def _records(workdir) -> list[dict]:
+  with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
+    return [json.loads(line) for line in f]
+
+
+def _training_metrics(record: dict) -> dict:
+  """A record without wall-clock values and evaluation results."""
+  return {k: v for k, v in record.items()
+          if not (k == "time" or k.startswith("time/") or k == "tokens_per_s" or "eval_" in k)}
+
+
+# ----------------------------------------------------------------------------------------------
+# run.py end to end.
+
+
+def test_run_py_smoke_writes_metrics_plots_and_hf_export(smoke_tiny_dir, compile_cache, tmp_path):
+  """`python run.py --config=configs/multitask.py:smoke` trains 3 steps and writes every output."""
+  workdir = tmp_path / "run"
+  proc = subprocess.run(
+      [sys.executable, "run.py", "--config=configs/multitask.py:smoke", f"--workdir={workdir}",
+       f"--config.model.tiny_dir={smoke_tiny_dir}"],
+      cwd=ROOT, env=compile_cache, capture_output=True, text=True, timeout=900, check=False)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+  records = _records(workdir)
+  assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+  assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
+  assert any(r["step"] == 0 and "eval_success" in r for r in records)  # Before RL starts.
+  assert (workdir / "plots.png").stat().st_size > 0
+  final = json.loads((workdir / "final_metrics.json").read_text())
+  assert final["step"] == 3 and "eval_success" in final
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  assert (workdir / "hf_export" / "config.json").exists()
+  model = transformers.AutoModelForCausalLM.from_pretrained(workdir / "hf_export")
+  tokenizer = transformers.AutoTokenizer.from_pretrained(workdir / "hf_export")
+  ids = tokenizer("<action>up</action>", return_tensors="pt")["input_ids"]
+  with torch.no_grad():
+    assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Resume.
+
+
+@pytest.fixture(scope="module")
+def resume_runs(smoke_tiny_dir, compile_cache, tmp_path_factory):
+  """A: 2 steps, then (after a partial checkpoint is left behind) resumed to 4; B: 4 at once."""
+  del compile_cache
+  root = tmp_path_factory.mktemp("resume")
+  a, b = root / "a", root / "b"
+  train.train(smoke_config(smoke_tiny_dir, **LEAN, **{"train.num_steps": 2}), a)
+  before = _records(a)
+  # What a save killed half-way through step 3 leaves behind.
+  (a / "checkpoints" / "3.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
+  (a / "checkpoints" / "3.orbax-checkpoint-tmp" / "state" / "garbage").write_bytes(b"\x00" * 7)
+  shutil.copytree(a / "checkpoints" / "2", a / "checkpoints" / "3.orbax-checkpoint-tmp-1700000000")
+  latest_with_partial = Checkpointer(a / "checkpoints").latest_step()
+  config = smoke_config(smoke_tiny_dir, **LEAN, **{"train.num_steps": 4})
+  train.train(config, a)
+  train.train(config, b)
+  return dict(a=a, b=b, config=config, before=before, latest_with_partial=latest_with_partial)
+
+
+def test_resume_is_bit_exact(resume_runs):
+  """2 steps + resume to 4 ends in the same params, optimizer and pacing state as 4 straight."""
+  a, b, config = resume_runs["a"], resume_runs["b"], resume_runs["config"]
+  like = state_like(config, a)
+  ckpt_a, ckpt_b = Checkpointer(a / "checkpoints"), Checkpointer(b / "checkpoints")
+  assert ckpt_a.latest_step() == ckpt_b.latest_step() == 4
+  state_a, meta_a = ckpt_a.restore(like)
+  state_b, meta_b = ckpt_b.restore(like)
+  assert int(state_a.step) == int(state_b.step) == 4
+  assert_trees_equal(state_a, state_b)
+  assert meta_a["sampler"] == meta_b["sampler"]
+  steps_a = {r["step"]: _training_metrics(r) for r in _records(a) if "loss" in r}
+  steps_b = {r["step"]: _training_metrics(r) for r in _records(b) if "loss" in r}
+  assert sorted(steps_a) == sorted(steps_b) == [1, 2, 3, 4]
+  for step in steps_a:
+    assert steps_a[step] == steps_b[step], f"step {step}"
+
+
+def test_resume_skips_a_partial_checkpoint(resume_runs):
+  """A leftover temporary checkpoint directory is ignored: resume uses the last complete one."""
+  a = resume_runs["a"]
+  assert resume_runs["latest_with_partial"] == 2
+  # The records of steps <= 2 come back from the step-2 checkpoint untouched (same wall-clock
+  # stamps): the second run continued the first instead of starting over.
+  early = [r for r in _records(a) if r["step"] <= 2]
+  assert early == resume_runs["before"]
+  assert [r["step"] for r in _records(a) if "loss" in r] == [1, 2, 3, 4]
+
+
+# ----------------------------------------------------------------------------------------------
+# train_step on 1 vs 4 devices, and non-finite batches.
+
+D = 4
+MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                    num_heads=4, num_kv_heads=2, head_dim=8)
+B, T, K, G = 16, 24, 3, 2  # Global episodes, tokens, tasks, group size.
+
+
+def _step_config(minibatches: int) -> steps.StepConfig:
+  pacing_cfg, loss_cfg = objective.method_configs("eppo")
+  return steps.StepConfig(model=MODEL, pacing=pacing_cfg, loss=loss_cfg, num_tasks=K,
+                          num_groups=B // G, temperature=1.0, num_minibatches=minibatches)
+
+
+@functools.lru_cache(maxsize=None)
+def _p_train(devices: int, minibatches: int):
+  tx = train.make_optimizer(3e-3, 0, 0.0, 1.0)
+  fn = jax.pmap(functools.partial(steps.train_step, cfg=_step_config(minibatches), tx=tx),
+                axis_name="data", devices=jax.devices()[:devices])
+  return fn, tx
+
+
+def _initial_state(tx) -> steps.TrainState:
+  params = init_params(MODEL, jax.random.PRNGKey(0))
+  return steps.TrainState(step=np.zeros((), np.int32), trainable=params,
+                          opt_state=tx.init(params), pacing=pacing.init_pacing(K))
+
+
+def _batch(seed: int) -> dict:
+  """Episodes of 3 tasks in groups of G (global group ids), ragged prompts and replies."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(1, MODEL.vocab_size, size=(B, T)).astype(np.int32)
+  lengths = rng.integers(T // 2, T + 1, size=B)
+  prompt = rng.integers(4, 10, size=B)
+  pos = np.arange(T)[None]
+  attention = pos < lengths[:, None]
+  loss = attention & (pos >= prompt[:, None])
+  loss[3, :] = False  # An episode that generated nothing.
+  group_ids = np.repeat(np.arange(B // G), G).astype(np.int32)
+  task_ids = np.array([0, 1, 2, 0, 1, 2, 1, 1], np.int32)[group_ids]
+  rewards = rng.normal(size=B).astype(np.float32)
+  rewards[2:4] = 0.5  # A group whose episodes all scored the same: zero advantage.
+  return dict(tokens=tokens, attention_mask=attention, loss_mask=loss, task_ids=task_ids,
+              group_ids=group_ids, rewards=rewards)
+
+
+def _layout(batch: dict, devices: int, minibatches: int) -> dict:
+  """[devices, B / devices, ...] such that device d's m-th local minibatch is the d-th slice of
+  global minibatch m (rows m*B/M ... (m+1)*B/M - 1): the same global minibatches on any count."""
+  per = B // minibatches // devices
+  order = np.arange(B).reshape(minibatches, devices, per).transpose(1, 0, 2).reshape(-1)
+  return {k: v[order].reshape((devices, B // devices) + v.shape[1:]) for k, v in batch.items()}
+
+
+def _replicate(tree, devices: int):
+  return jax.tree_util.tree_map(lambda x: np.broadcast_to(np.asarray(x), (devices,) + np.shape(x)),
+                                tree)
+
+
+def test_train_step_is_the_same_on_1_and_4_devices():
+  """One global batch through train_step on 1 and on 4 devices: same params and metrics, 3 steps.
+
+  Two minibatches: device d's m-th local minibatch is the d-th slice of global minibatch m.
+  """
+  minibatches = 2
+  results = {}
+  for devices in (1, D):
+    fn, tx = _p_train(devices, minibatches)
+    state = _replicate(_initial_state(tx), devices)
+    trace = []
+    for step in range(3):
+      batch = _layout(_batch(step), devices, minibatches)
+      keys = _replicate(jax.random.fold_in(jax.random.PRNGKey(1), step), devices)
+      state, metrics = fn(state, {}, batch, keys)
+      host = jax.device_get((state, metrics))
+      # Every device holds the same state and metrics.
+      for path, x in jax.tree_util.tree_leaves_with_path(host):
+        np.testing.assert_array_equal(x, np.broadcast_to(x[:1], x.shape),
+                                      err_msg=jax.tree_util.keystr(path))
+      trace.append(jax.tree_util.tree_map(lambda x: x[0], host))
+    results[devices] = trace
+  for step, ((s1, m1), (s4, m4)) in enumerate(zip(results[1], results[D])):
+    assert m1["skipped"] == 0 and m1["advantage_abs_mean"] > 0
+    for x, y in zip(jax.tree_util.tree_leaves(s1), jax.tree_util.tree_leaves(s4)):
+      np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5, err_msg=f"state, step {step}")
+    for key in m1:
+      np.testing.assert_allclose(m1[key], m4[key], atol=1e-5, rtol=1e-5, err_msg=key)
+  # The params moved: equality is not that of two no-ops.
+  first = jax.tree_util.tree_leaves(_initial_state(_p_train(1, minibatches)[1]).trainable)
+  last = jax.tree_util.tree_leaves(results[1][-1][0].trainable)
+  assert max(float(np.abs(x - y).max()) for x, y in zip(first, last)) > 1e-3
+
+
+def test_nan_reward_skips_the_update_bit_for_bit():
+  """A NaN reward: the update is skipped and params and optimizer state are left unchanged."""
+  fn, tx = _p_train(D, 2)
+  state = _replicate(_initial_state(tx), D)
+  warm, _ = fn(state, {}, _layout(_batch(0), D, 2), _replicate(jax.random.PRNGKey(1), D))
+  warm = jax.device_get(warm)  # A state with non-trivial Adam moments.
+  bad = _batch(1)
+  bad["rewards"][[5, 12]] = np.nan  # One in each global minibatch (rows 0-7 and 8-15).
+  new, metrics = fn(warm, {}, _layout(bad, D, 2), _replicate(jax.random.PRNGKey(2), D))
+  new, metrics = jax.device_get((new, metrics))
+  assert (metrics["skipped"] == 2).all()  # Both minibatch updates.
+  assert_trees_equal(new.trainable, warm.trainable)
+  assert_trees_equal(new.opt_state, warm.opt_state)
+
+
+class _NanLake(FrozenLake):
+  """FrozenLake whose every step pays a NaN reward (a broken reward function)."""
+
+  def step(self, action):
+    observation, _, done, info = super().step(action)
+    return observation, float("nan"), done, info
+
+
+def test_loop_stops_after_max_bad_steps_with_a_usable_checkpoint(smoke_tiny_dir, compile_cache,
+                                                                  tmp_path):
+  """Consecutive non-finite steps stop the run (FloatingPointError) with a usable checkpoint."""
+  del compile_cache
+  registry.register("nanlake_test", _NanLake, overwrite=True)
+  config = smoke_config(smoke_tiny_dir, **LEAN, **{
+      "tasks.specs": ("sokoban:easy", "nanlake_test:easy", "countdown:easy"),
+      "tasks.weights": (0.0, 1.0, 0.0), "sft.enabled": False, "train.num_steps": 6,
+      "train.max_bad_steps": 2, "train.eval_every": 0, "train.eval_instances_per_task": 1,
+      "train.checkpoint_every": 10})
+  with pytest.raises(FloatingPointError, match="2 consecutive RL steps"):
+    train.train(config, tmp_path)
+  ckpt = Checkpointer(tmp_path / "checkpoints")
+  assert ckpt.latest_step() == 2
+  like = state_like(config, tmp_path)
+  stopped, meta = ckpt.restore(like)
+  start, _ = ckpt.restore(like, step=0)
+  assert int(stopped.step) == 2
+  assert_trees_equal(stopped.trainable, start.trainable)  # Every update was skipped.
+  assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(stopped))
+  assert [r["skipped"] > 0 for r in meta["history"] if "skipped" in r] == [True, True]
+
+
+# ----------------------------------------------------------------------------------------------
+# Config validation.
+
+_compiles = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **kw: _compiles.append(event)
+    if event == "/jax/core/compile/backend_compile_duration" else None)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"method": "ppo2"}, "config.method"),
+    ({"rollout.instances_per_step": 3}, "config.rollout.instances_per_step"),
+    ({"optim.num_minibatches": 3}, "config.optim.num_minibatches"),
+    ({"tasks.specs": ("sokoban:easy", "chess:easy")}, "config.tasks.specs"),
+    ({"tasks.specs": ("sokoban:impossible",)}, "config.tasks.specs"),
+    ({"rollout.group_size": 1, "rollout.instances_per_step": 4}, "config.rollout.group_size"),
+    ({"tasks.weights": (1.0, 2.0)}, "config.tasks.weights"),
+])
+def test_bad_config_fails_before_compiling(tmp_path, overrides, field):
+  """A bad config raises ValueError naming the field, before any model is built or compiled."""
+  config = smoke_config(tmp_path / "no_model", **overrides)
+  before = len(_compiles)
+  with pytest.raises(ValueError) as error:
+    train.train(config, tmp_path / "run")
+  assert field in str(error.value)
+  assert len(_compiles) == before
+  assert not (tmp_path / "no_model").exists() and not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Two hosts.
+
+_HOST = textwrap.dedent("""
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    sys.path.insert(0, {tests!r})
+    import hashlib
+    import jax
+    import numpy as np
+    from eppo_jax import train
+    from eppo_jax.checkpoint import Checkpointer
+    from pipeline_util import smoke_config, state_like
+    config = smoke_config({tiny!r}, **{overrides!r})
+    config.distributed.coordinator_address = {address!r}
+    config.distributed.num_processes = 2
+    config.distributed.process_id = int(sys.argv[1])
+    record = train.train(config, {workdir!r})
+    state, _ = Checkpointer({workdir!r} + "/checkpoints").restore(state_like(config, {workdir!r}))
+    digest = hashlib.sha256(b"".join(np.asarray(x).tobytes()
+                                     for x in jax.tree_util.tree_leaves(state))).hexdigest()
+    with open(sys.argv[2], "w") as f:
+      json.dump(dict(record=record, digest=digest, step=int(state.step),
+                     processes=jax.process_count(), devices=jax.device_count()), f)
+""")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_hosts_train_and_agree(smoke_tiny_dir, tmp_path):
+  """2 processes x 2 CPU devices on localhost finish the smoke run and agree on all results."""
+  workdir = tmp_path / "run"
+  # 3 evaluation episodes split 2 + 1 over the hosts; one-turn episodes keep compilation short.
+  overrides = {**LEAN, "train.num_steps": 1, "sft.steps": 1, "train.eval_instances_per_task": 1,
+               "rollout.max_turns": 1}
+  script = tmp_path / "host.py"
+  script.write_text(_HOST.format(tests=str(ROOT / "tests"), tiny=str(smoke_tiny_dir),
+                                 overrides=overrides, address=f"127.0.0.1:{_free_port()}",
+                                 workdir=str(workdir)))
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  procs = [subprocess.Popen([sys.executable, str(script), str(i), str(tmp_path / f"out{i}.json")],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True) for i in range(2)]
+  logs = []
+  try:
+    for p in procs:
+      logs.append(p.communicate(timeout=600)[0])
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for i, p in enumerate(procs):
+    assert p.returncode == 0, f"process {i}:\n{logs[i][-5000:]}"
+  out = [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(2)]
+  assert out[0]["processes"] == out[1]["processes"] == 2
+  assert out[0]["devices"] == out[1]["devices"] == 4
+  assert out[0]["step"] == out[1]["step"] == 1
+  assert out[0]["digest"] == out[1]["digest"]
+  assert _training_metrics(out[0]["record"]) == _training_metrics(out[1]["record"])
+  # Host 0 evaluated tasks 0 and 2, host 1 task 1: every task's numbers need both hosts.
+  specs = smoke_config(smoke_tiny_dir).tasks.specs
+  assert all(out[0]["record"][f"task/{spec}/eval_turns"] == 1 for spec in specs)
+  assert [r["step"] for r in _records(workdir) if "loss" in r] == [1]
