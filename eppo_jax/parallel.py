@@ -123,3 +123,10 @@ def global_max(value: int) -> int:
     return int(value)
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   return int(np.max(multihost_utils.process_allgather(np.asarray(value))))
+
+
+def barrier(name: str) -> None:
+  """Waits until every host reaches this point (a no-op on one host)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    multihost_utils.sync_global_devices(name)

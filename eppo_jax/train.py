@@ -43,6 +43,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.method={config.method!r} is unknown; valid: {objective.METHODS}")
   objective.method_configs(config.method, **dict(config.pacing.overrides),
                            **dict(config.loss.overrides))
+  if config.tasks.system_prompt not in agent.SYSTEM_PROMPTS:
+    raise ValueError(f"config.tasks.system_prompt={config.tasks.system_prompt!r}; valid: "
+                     f"{agent.SYSTEM_PROMPTS}")
   if not config.tasks.specs:
     raise ValueError("config.tasks.specs is empty")
   for spec in config.tasks.specs:
@@ -103,7 +106,10 @@ def load_model(config, workdir: Path):
                          num_heads=m.tiny_num_heads, num_kv_heads=m.tiny_num_kv_heads,
                          seed=config.seed)
     directory = Path(m.tiny_dir or workdir / "tiny_model")
-    source = tiny.build_tiny_model(directory, _tokenizer_corpus(config.tasks.specs), spec)
+    if jax.process_index() == 0:  # One writer; the other hosts read it after the barrier.
+      tiny.build_tiny_model(directory, _tokenizer_corpus(config.tasks.specs), spec)
+    parallel.barrier("tiny_model")
+    source = directory
   else:
     source = m.source
   pre = hf.load_pretrained(source, dtype=jnp.dtype(m.dtype), param_dtype=jnp.dtype(m.param_dtype))
