@@ -1,0 +1,329 @@
+"""One whole RL step (generation + reward + update) of eppo_jax vs. TRL's `GRPOTrainer` on CPU.
+
+  pip install trl -c <(pip freeze | grep -E '^(torch|transformers)==')   # keeps our torch
+  python bench/rl_step.py --cores 1              # tiny model, 8 prompts x G=4 x 32 tokens, ~1 min
+  python bench/rl_step.py --prompts 16 --new-tokens 64 --steps 5
+
+Both sides do the same work each step, on the same weights (the tiny default Llama, built with
+`tiny.build_tiny_model`: a locally trained tokenizer and random weights exported by `export_hf`):
+B single-turn Countdown prompts (chat template, the tiny config's one-line system prompt), G
+sampled completions of each (temperature 1, at most N new tokens, stop at `<|im_end|>`), the
+environment's verdict on each completion as the reward, GRPO advantages, and one policy update of
+`--minibatches` optimizer steps over the B x G completions (full fine-tuning, AdamW, clip 1.0, no
+KL). Our side: pmapped `sampling.rollout` -> host rewards -> pmapped `steps.train_step` (which
+re-scores old log-probs, paces and computes the advantages). TRL: `GRPOTrainer` with
+`num_generations=G`, `per_device_train_batch_size = B x G / minibatches`,
+`steps_per_generation = minibatches`, so each generation is followed by `minibatches` optimizer
+steps, as ours. The prompts come in the same order on both sides.
+
+Steps are timed after `--warmup` steps (our first one includes XLA compilation, reported apart);
+ours are timed again after TRL's as a drift check on a shared machine. Throughput counts the
+completion tokens actually generated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import tempfile
+import time
+
+import numpy as np
+
+TASK = "countdown:easy"
+LR = 1e-5
+
+
+def check_trl():
+  """The installed trl module, or exit with the install command."""
+  try:
+    import trl  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise SystemExit("bench/rl_step.py needs TRL: pip install trl -c <(pip freeze | grep -E "
+                     "'^(torch|transformers)==')   # the constraint keeps the installed torch") from None
+  return trl
+
+
+def env_reward(task: str, seed: int, completion: str) -> float:
+  """The environment's reward for one single-turn reply (1 solved, 0 wrong, penalty if invalid)."""
+  from eppo_jax.envs import registry  # pylint: disable=g-import-not-at-top
+  env = registry.make(task)
+  env.reset(seed)
+  _, reward, _, _ = env.step_text(completion)
+  env.close()
+  return reward
+
+
+def build_model(out_dir: str) -> str:
+  """The tiny default model (configs/multitask.py sizes) as an HF directory with its tokenizer."""
+  from eppo_jax import train  # pylint: disable=g-import-not-at-top
+  from eppo_jax.models import tiny  # pylint: disable=g-import-not-at-top
+  spec = tiny.TinySpec(vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=4,
+                       num_heads=4, num_kv_heads=2)
+  # The trainer's own tokenizer corpus, so the tokenizer is the one a real run would use.
+  corpus = train._tokenizer_corpus([TASK])  # pylint: disable=protected-access
+  return str(tiny.build_tiny_model(out_dir, corpus, spec))
+
+
+def make_prompts(tokenizer, count: int):
+  """(prompt texts, seeds): chat-templated Countdown instances, seeds 0..count-1."""
+  from eppo_jax.envs import registry  # pylint: disable=g-import-not-at-top
+  texts = []
+  for seed in range(count):
+    env = registry.make(TASK)
+    observation, _ = env.reset(seed)
+    messages = [{"role": "system", "content": f"Task: {env.task_name}"},
+                {"role": "user", "content": observation}]
+    texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                               tokenize=False))
+  return texts, list(range(count))
+
+
+# ----------------------------------------------------------------------------------------------
+# Our side.
+
+
+class OurStep:
+  """rollout -> rewards -> train_step, with the library's pieces, as `train.py` wires them."""
+
+  def __init__(self, model_dir: str, args):
+    import jax  # pylint: disable=g-import-not-at-top
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    import eppo_jax  # pylint: disable=g-import-not-at-top
+    from eppo_jax import lora, objective, pacing, parallel, sampling, steps  # noqa: E402
+    from eppo_jax.train import make_optimizer  # pylint: disable=g-import-not-at-top
+    self.jax, self.parallel, self.sampling, self.args = jax, parallel, sampling, args
+    pre = eppo_jax.load_pretrained(model_dir)
+    self.tokenizer = pre.tokenizer
+    trainable, frozen = lora.partition(pre.params,
+                                       lora.trainable_mask(pre.params, full_finetune=True))
+    samp = sampling.SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0,
+                                   stop_token_ids=(pre.tokenizer.eos_token_id,),
+                                   pad_id=pre.tokenizer.pad_token_id)
+
+    def sample(trainable, frozen, tokens, mask, rng):
+      # Only tokens and mask leave the device; XLA drops the unused KV cache output.
+      out = sampling.rollout(lora.combine(trainable, frozen), pre.config, tokens, mask, rng, samp)
+      return out.tokens, out.mask
+
+    pacing_cfg, loss_cfg = objective.method_configs("grpo")  # Fixed clip 0.2, as TRL's epsilon.
+    cfg = steps.StepConfig(model=pre.config, pacing=pacing_cfg, loss=loss_cfg, num_tasks=1,
+                           num_groups=args.prompts, temperature=1.0,
+                           num_minibatches=args.minibatches)
+    tx = make_optimizer(LR, 0, 0.0, 1.0)
+    state = steps.TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable,
+                             opt_state=tx.init(trainable), pacing=pacing.init_pacing(1))
+    self.state, self.frozen = parallel.replicate(state), parallel.replicate(frozen)
+    self.p_sample = jax.pmap(sample, axis_name=parallel.AXIS)
+    self.p_train = jax.pmap(functools.partial(steps.train_step, cfg=cfg, tx=tx),
+                            axis_name=parallel.AXIS, donate_argnums=(0,))
+    self.key = jax.random.PRNGKey(0)
+
+  def encode(self, texts) -> list[list[int]]:
+    """Prompt token ids; the chat template already holds every special token."""
+    return [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+  def step(self, i: int, prompt_ids, seeds, width: int) -> dict:
+    """One RL step on B prompts; returns timings and the number of generated tokens."""
+    jax, parallel, g = self.jax, self.parallel, self.args.group
+    start = time.perf_counter()
+    rows = [p for p in prompt_ids for _ in range(g)]  # Group-major: prompt b -> rows b*G..b*G+G-1.
+    prompt_BxP, prompt_mask_BxP = self.sampling.left_pad(rows, [width], self.tokenizer.pad_token_id)
+    keys = parallel.replicate(jax.random.fold_in(self.key, 2 * i))
+    tokens, mask = self.p_sample(self.state.trainable, self.frozen,
+                                 parallel.shard(prompt_BxP), parallel.shard(prompt_mask_BxP), keys)
+    tokens_BxN, mask_BxN = (np.asarray(x).reshape((-1,) + x.shape[2:]) for x in (tokens, mask))
+    generated = time.perf_counter()
+    texts = self.tokenizer.batch_decode([t[m] for t, m in zip(tokens_BxN, mask_BxN)],
+                                        skip_special_tokens=True)
+    rewards = np.array([env_reward(TASK, s, c) for s, c in zip(np.repeat(seeds, g), texts)],
+                       np.float32)
+    rewarded = time.perf_counter()
+    batch = dict(tokens=np.concatenate([prompt_BxP, tokens_BxN], 1),
+                 attention_mask=np.concatenate([prompt_mask_BxP, mask_BxN], 1),
+                 loss_mask=np.concatenate([np.zeros_like(prompt_mask_BxP), mask_BxN], 1),
+                 task_ids=np.zeros(len(rows), np.int32),
+                 group_ids=np.arange(len(rows), dtype=np.int32) // g, rewards=rewards)
+    keys = parallel.replicate(jax.random.fold_in(self.key, 2 * i + 1))
+    self.state, metrics = self.p_train(self.state, self.frozen, parallel.shard(batch), keys)
+    jax.block_until_ready((self.state, metrics))
+    end = time.perf_counter()
+    return dict(total=end - start, generate=generated - start, reward=rewarded - generated,
+                update=end - rewarded, tokens=int(mask_BxN.sum()),
+                reward_mean=float(rewards.mean()))
+
+
+def prompt_width(ids) -> int:
+  """One padded width for every step's prompts, so the rollout compiles once.
+
+  A multiple of 8 over the longest prompt: TRL pads each batch to its own longest prompt, and a
+  coarser bucket would hand our update more (padding) positions than TRL's.
+  """
+  return -(-max(len(x) for x in ids) // 8) * 8
+
+
+def run_ours(ours: OurStep, texts, seeds, args, first: int, count: int, offset: int = 0):
+  """Step records of `count` steps on the prompt chunks first..first+count-1."""
+  ids = ours.encode(texts)
+  width, b = prompt_width(ids), args.prompts
+  return [ours.step(offset + s, ids[s * b:(s + 1) * b], seeds[s * b:(s + 1) * b], width)
+          for s in range(first, first + count)]
+
+
+# ----------------------------------------------------------------------------------------------
+# TRL's side.
+
+
+def run_trl(model_dir, texts, seeds, args, tmp):
+  """Times `GRPOTrainer.train()` per RL step with a callback; returns step records."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from datasets import Dataset  # pylint: disable=g-import-not-at-top
+  from trl import GRPOConfig, GRPOTrainer  # pylint: disable=g-import-not-at-top
+
+  torch.manual_seed(0)
+  torch.set_num_threads(len(os.sched_getaffinity(0)))
+  tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+  model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+  generated = []  # (completion tokens, mean reward) per call: one call per generation batch.
+
+  def countdown_reward(completions, seed, completion_ids, **_):
+    start = time.perf_counter()
+    rewards = [env_reward(TASK, s, c) for s, c in zip(seed, completions)]
+    generated.append((sum(len(c) for c in completion_ids), float(np.mean(rewards)),
+                      time.perf_counter() - start))
+    return rewards
+
+  class Clock(transformers.TrainerCallback):
+    def __init__(self):
+      self.marks = []
+
+    def on_train_begin(self, *_, **__):
+      self.marks.append(time.perf_counter())
+
+    def on_step_end(self, *_, **__):
+      self.marks.append(time.perf_counter())
+
+  m = args.minibatches
+  config = GRPOConfig(
+      output_dir=os.path.join(tmp, "trl"), use_cpu=True, bf16=False, fp16=False, seed=0,
+      # One generation of B x G completions, then `m` optimizer steps over it (= ours).
+      per_device_train_batch_size=args.prompts * args.group // m, steps_per_generation=m,
+      gradient_accumulation_steps=1, num_generations=args.group, num_iterations=1,
+      max_steps=m * (args.warmup + args.steps), shuffle_dataset=False,
+      max_completion_length=args.new_tokens, temperature=1.0, top_p=1.0, top_k=0,
+      use_vllm=False, beta=0.0, epsilon=0.2, loss_type="dapo",  # dapo = global token-mean.
+      learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=1.0, adam_beta2=0.99,
+      weight_decay=0.0,
+      # Ours does not recompute activations in the backward pass; TRL's default would.
+      gradient_checkpointing=False,
+      report_to="none", save_strategy="no", logging_steps=10 ** 6, disable_tqdm=True)
+  dataset = Dataset.from_dict({"prompt": texts, "seed": seeds})
+  class TimedGRPOTrainer(GRPOTrainer):
+    """Records the wall time of each generation, for the split of TRL's step."""
+
+    def _generate(self, *a, **kw):
+      start = time.perf_counter()
+      out = super()._generate(*a, **kw)
+      generate_s.append(time.perf_counter() - start)
+      return out
+
+  generate_s = []
+  clock = Clock()
+  trainer = TimedGRPOTrainer(model=model, reward_funcs=countdown_reward, args=config,
+                             train_dataset=dataset, processing_class=tokenizer, callbacks=[clock])
+  trainer.train()
+  marks = clock.marks
+  records = []
+  for s in range(args.warmup + args.steps):  # RL step s = trainer steps s*m .. s*m + m - 1.
+    total = marks[(s + 1) * m] - marks[s * m]
+    tokens, reward_mean, reward_s = generated[s]
+    records.append(dict(total=total, tokens=tokens, reward_mean=reward_mean, generate=generate_s[s],
+                        reward=reward_s, update=total - generate_s[s] - reward_s))
+  return records
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def mean(records, key):
+  return float(np.mean([r[key] for r in records]))
+
+
+def use_cores(n: int) -> int:
+  """Pins this process (and its children) to its first `n` allowed cores (0 = all); -> core count.
+
+  Both sides then get the same cores: XLA sizes its thread pool from the affinity mask, and torch
+  is given as many threads. On a shared machine, fewer cores than the machine has also keeps
+  torch's OpenMP barriers from waiting on threads that other processes' load has descheduled.
+  """
+  allowed = sorted(os.sched_getaffinity(0))
+  if n:
+    os.sched_setaffinity(0, allowed[:n])
+  return len(os.sched_getaffinity(0))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--cores", type=int, default=0,
+                      help="cores for both sides (0 = all this process may use)")
+  parser.add_argument("--prompts", type=int, default=8, help="B prompts per step")
+  parser.add_argument("--group", type=int, default=4, help="G completions per prompt")
+  parser.add_argument("--new-tokens", type=int, default=32, help="N, max completion tokens")
+  parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per RL step")
+  parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+  parser.add_argument("--steps", type=int, default=3, help="timed steps")
+  parser.add_argument("--goal", type=float, default=2.0, help="target ratio of steps/s")
+  args = parser.parse_args()
+  if (args.prompts * args.group) % args.minibatches:
+    raise SystemExit("--prompts x --group must be divisible by --minibatches")
+  cores = use_cores(args.cores)  # Before jax and torch start their thread pools.
+  trl = check_trl()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # TRL runs on the CPU (use_cpu): so do we.
+
+  import jax  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  print(f"jax {jax.__version__} on {jax.devices()[0].platform}; torch {torch.__version__} "
+        f"({cores} threads), transformers {transformers.__version__}, trl {trl.__version__}; "
+        f"{cores} cores")
+  n_steps = args.warmup + args.steps
+  with tempfile.TemporaryDirectory() as tmp:
+    model_dir = build_model(os.path.join(tmp, "model"))
+    ours = OurStep(model_dir, args)
+    texts, seeds = make_prompts(ours.tokenizer, args.prompts * n_steps)
+    lengths = [len(x) for x in ours.encode(texts)]
+    print(f"{TASK}: B={args.prompts} prompts x G={args.group}, N={args.new_tokens} new tokens, "
+          f"prompts of {min(lengths)}-{max(lengths)} tokens (ours padded to "
+          f"{prompt_width(ours.encode(texts))}), {args.minibatches} optimizer steps per RL step, "
+          f"{args.warmup} warm-up + {args.steps} timed steps", flush=True)
+    our_records = run_ours(ours, texts, seeds, args, 0, n_steps)
+    trl_records = run_trl(model_dir, texts, seeds, args, tmp)
+    # Drift check: our (compiled) timed steps again, on the same prompts, after TRL's run.
+    again = run_ours(ours, texts, seeds, args, args.warmup, args.steps, offset=n_steps)
+
+  timed, trl_timed = our_records[args.warmup:], trl_records[args.warmup:]
+  ours_s = mean(timed + again, "total")
+  trl_s = mean(trl_timed, "total")
+  print(f"\n{'':>16} {'step s':>7} {'steps/s':>8} {'gen tok/step':>12} {'gen tok/s':>9} "
+        f"{'reward':>7}  split")
+  print(f"{'eppo_jax':>16} {ours_s:7.2f} {1 / ours_s:8.3f} {mean(timed, 'tokens'):12.0f} "
+        f"{mean(timed + again, 'tokens') / ours_s:9.0f} {mean(timed, 'reward_mean'):7.3f}  "
+        f"generate {mean(timed, 'generate'):.2f} s, reward {mean(timed, 'reward'):.2f} s, "
+        f"update {mean(timed, 'update'):.2f} s")
+  print(f"{'TRL GRPOTrainer':>16} {trl_s:7.2f} {1 / trl_s:8.3f} {mean(trl_timed, 'tokens'):12.0f} "
+        f"{mean(trl_timed, 'tokens') / trl_s:9.0f} {mean(trl_timed, 'reward_mean'):7.3f}  "
+        f"generate {mean(trl_timed, 'generate'):.2f} s, reward {mean(trl_timed, 'reward'):.2f} s, "
+        f"rest (update) {mean(trl_timed, 'update'):.2f} s")
+  ratio = trl_s / ours_s
+  print(f"\nour first step (XLA compile + step): {our_records[0]['total']:.1f} s; TRL's first "
+        f"step: {trl_records[0]['total']:.1f} s")
+  print(f"our step before / after TRL's run: {mean(timed, 'total'):.2f} s / "
+        f"{mean(again, 'total'):.2f} s (drift of the shared machine)")
+  print(f"ratio (our steps/s / TRL's): {ratio:.2f}x  (goal >= {args.goal:.1f}x: "
+        f"{'met' if ratio >= args.goal else 'NOT met'})")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,336 @@
+"""Tokens/s of the EPPO update (`steps.train_step`) vs. the same PPO-clip update in PyTorch.
+
+  python bench/train_step.py --cores 1                # tiny + ~100M Llama, LoRA + full, ~5 min
+  python bench/train_step.py --models tiny --steps 5  # quick look
+
+One update = what `steps.train_step` does on a rollout batch: a teacher-forced pass for the old
+log-probs and entropies (pacing), GRPO advantages, then `--minibatches` forward + backward + AdamW
+steps (ppo_epochs = 1), pmapped on one device exactly as `train.py` runs it. The PyTorch reference
+is `transformers.LlamaForCausalLM` loaded from the same exported weights doing the same work on the
+same batch: a no-grad pass for old log-probs and entropies, then per minibatch the PPO-clip
+token-mean loss, `loss.backward()`, gradient clipping and `torch.optim.AdamW`. LoRA (rank
+`--lora-rank`, every projection) is our `lora.add_lora`; on the PyTorch side a small adapter
+wrapper around each `nn.Linear` (only the adapters require gradients).
+
+Batches are random tokens with realistic masks: each row is a prompt (no loss), a response (loss)
+and right padding, groups of 4 rows share a task instance, 3 tasks. Throughput counts every
+position of the padded batch (B x T tokens) per update. Each (model, mode, side) runs in a fresh
+subprocess, so its peak RSS (`getrusage`) is its own; the first call (XLA compile + one update) is
+reported apart from the median of the timed calls. The entropy column is the |difference| of the
+mean token entropy both sides compute in their old-policy pass: a check that they ran the same
+model on the same batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+GROUP = 4  # Rows per GRPO group.
+NUM_TASKS = 3
+LR = 1e-5
+
+# name -> ModelConfig kwargs. tiny: the default config's sizes (configs/multitask.py); 100m: a
+# ~100M-parameter Llama (GPT-2-small width, Llama vocabulary, grouped-query attention).
+MODELS = {
+    "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=4,
+                 num_heads=4, num_kv_heads=2, head_dim=32, tie_word_embeddings=True),
+    "100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
+                 num_heads=12, num_kv_heads=4, head_dim=64, tie_word_embeddings=False),
+}
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_batch(b: int, t: int, vocab: int, seed: int = 0) -> dict:
+  """Random rollout batch: per row a prompt (no loss), a response (loss), then right padding."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(10, vocab, (b, t)).astype(np.int32)
+  attention = np.zeros((b, t), bool)
+  loss = np.zeros((b, t), bool)
+  for i in range(b):
+    prompt = int(rng.integers(t // 8, t // 2))
+    response = int(rng.integers(t // 8, t - prompt + 1))
+    attention[i, :prompt + response] = True
+    loss[i, prompt:prompt + response] = True
+  tokens[~attention] = 0
+  groups = np.arange(b, dtype=np.int32) // GROUP
+  return dict(tokens=tokens, attention_mask=attention, loss_mask=loss,
+              task_ids=(groups % NUM_TASKS).astype(np.int32), group_ids=groups,
+              rewards=rng.normal(size=b).astype(np.float32))
+
+
+def grpo_advantages_np(rewards, group_ids, eps: float = 1e-6):
+  """(r - group mean) / (unbiased group std + eps), the library's default GRPO estimator."""
+  adv = np.zeros_like(rewards)
+  for g in np.unique(group_ids):
+    r = rewards[group_ids == g]
+    adv[group_ids == g] = (r - r.mean()) / (r.std(ddof=1) + eps)
+  return adv
+
+
+def peak_rss_bytes() -> int:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB.
+
+
+def summarize(times: list[float], b: int, t: int) -> dict:
+  step_s = float(np.median(times[1:]))
+  return dict(first_s=times[0], compile_s=max(times[0] - step_s, 0.0), step_s=step_s,
+              tokens_per_s=b * t / step_s, peak_rss=peak_rss_bytes())
+
+
+# ----------------------------------------------------------------------------------------------
+# Workers (each in its own process).
+
+
+def jax_worker(args) -> dict:
+  """Times `steps.train_step` pmapped on one device; returns the summary dict."""
+  import functools  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import eppo_jax  # pylint: disable=g-import-not-at-top
+  from eppo_jax import lora, objective, pacing, parallel, steps  # noqa: E402
+  from eppo_jax.models.config import LoraConfig  # pylint: disable=g-import-not-at-top
+  from eppo_jax.train import make_optimizer  # pylint: disable=g-import-not-at-top
+
+  pre = eppo_jax.load_pretrained(args.model_dir, with_tokenizer=False)
+  model_cfg, params = pre.config, pre.params
+  if args.mode == "lora":
+    model_cfg, params = lora.add_lora(
+        params, model_cfg, LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank),
+        jax.random.PRNGKey(1))
+  trainable, frozen = lora.partition(
+      params, lora.trainable_mask(params, full_finetune=args.mode == "full"))
+  del params, pre
+  pacing_cfg, loss_cfg = objective.method_configs("eppo")
+  cfg = steps.StepConfig(model=model_cfg, pacing=pacing_cfg, loss=loss_cfg, num_tasks=NUM_TASKS,
+                         num_groups=args.batch // GROUP, num_minibatches=args.minibatches)
+  tx = make_optimizer(LR, 0, 0.0, 1.0)
+  state = steps.TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable,
+                           opt_state=tx.init(trainable), pacing=pacing.init_pacing(NUM_TASKS))
+  n_trainable = sum(x.size for x in jax.tree_util.tree_leaves(trainable))
+  state, frozen = parallel.replicate(state), parallel.replicate(frozen)
+  del trainable
+  batch = parallel.shard(make_batch(args.batch, args.seq, model_cfg.vocab_size))
+  p_train = jax.pmap(functools.partial(steps.train_step, cfg=cfg, tx=tx),
+                     axis_name=parallel.AXIS, donate_argnums=(0,))
+  key = jax.random.PRNGKey(0)
+  times, entropy = [], None
+  for i in range(1 + args.steps):
+    keys = parallel.replicate(jax.random.fold_in(key, i))
+    start = time.perf_counter()
+    state, metrics = p_train(state, frozen, batch, keys)
+    jax.block_until_ready((state, metrics))
+    times.append(time.perf_counter() - start)
+    if i == 0:  # Entropy of the initial policy on the trained tokens, for the parity check.
+      m = jax.device_get(parallel.unreplicate(metrics))
+      entropy = float((m["entropy_K"] * m["token_count_K"]).sum() / m["token_count_K"].sum())
+  out = summarize(times, args.batch, args.seq)
+  out.update(trainable=int(n_trainable), entropy=entropy)
+  device = jax.local_devices()[0]
+  if device.platform != "cpu":
+    out["device_peak"] = (device.memory_stats() or {}).get("peak_bytes_in_use")
+  return out
+
+
+def torch_worker(args) -> dict:
+  """Times the same update with transformers + torch on the exported weights."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+
+  torch.manual_seed(0)
+  torch.set_num_threads(len(os.sched_getaffinity(0)))
+  # Where JAX has an accelerator, so should the reference (a CUDA build of torch is needed).
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  model = transformers.LlamaForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+  model.config.use_cache = False
+  model.train()
+  if args.mode == "lora":
+    add_torch_lora(model, args.lora_rank, 2.0 * args.lora_rank)
+  model.to(device)
+  params = [p for p in model.parameters() if p.requires_grad]
+  # Same hyper-parameters as `train.make_optimizer` (clip by global norm 1, AdamW b2 = 0.99).
+  opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.99), weight_decay=0.0)
+  batch = make_batch(args.batch, args.seq, model.config.vocab_size)
+  tokens = torch.from_numpy(batch["tokens"]).long().to(device)
+  attention = torch.from_numpy(batch["attention_mask"]).long().to(device)
+  loss_mask = torch.from_numpy(batch["loss_mask"][:, 1:]).float().to(device)
+  adv = torch.from_numpy(grpo_advantages_np(batch["rewards"], batch["group_ids"]))[:, None]
+  adv = adv.to(device)
+  mbs = np.array_split(np.arange(args.batch), args.minibatches)
+
+  def logp_entropy(rows):
+    logits = model(input_ids=tokens[rows, :-1], attention_mask=attention[rows, :-1]).logits
+    logits = logits.float()
+    logz = torch.logsumexp(logits, -1)
+    logp = torch.gather(logits, -1, tokens[rows, 1:, None]).squeeze(-1) - logz
+    entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1)
+    return logp, entropy
+
+  def update():
+    with torch.no_grad():
+      old, ent = zip(*(logp_entropy(rows) for rows in mbs))
+    old, ent = torch.cat(old), torch.cat(ent)
+    for rows in mbs:
+      logp, _ = logp_entropy(rows)
+      mask = loss_mask[rows]
+      ratio = torch.exp(torch.clamp(logp - old[rows], -20.0, 20.0))
+      a = adv[rows]
+      pg = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 0.8, 1.2))
+      loss = (pg * mask).sum() / mask.sum().clamp(min=1.0)  # Token-mean over the minibatch.
+      loss.backward()
+      torch.nn.utils.clip_grad_norm_(params, 1.0)
+      opt.step()
+      opt.zero_grad(set_to_none=True)
+    # float() waits for the device's stream, so the timing covers every update queued before it.
+    return float((ent * loss_mask).sum() / loss_mask.sum())
+
+  times, entropy = [], None
+  for i in range(1 + args.steps):
+    start = time.perf_counter()
+    e = update()
+    times.append(time.perf_counter() - start)
+    entropy = e if i == 0 else entropy
+  out = summarize(times, args.batch, args.seq)
+  out.update(trainable=sum(p.numel() for p in params), entropy=entropy)
+  if device == "cuda":
+    out["device_peak"] = torch.cuda.max_memory_allocated()
+  return out
+
+
+def add_torch_lora(model, rank: int, alpha: float) -> None:
+  """Freezes the model and wraps every projection in `x W + (x A) B * alpha / rank`."""
+  import torch  # pylint: disable=g-import-not-at-top
+
+  class LoraLinear(torch.nn.Module):
+    def __init__(self, base):
+      super().__init__()
+      self.base = base
+      self.a = torch.nn.Parameter(torch.randn(base.in_features, rank) / base.in_features ** 0.5)
+      self.b = torch.nn.Parameter(torch.zeros(rank, base.out_features))
+      self.scale = alpha / rank
+
+    def forward(self, x):
+      return self.base(x) + (x @ self.a) @ self.b * self.scale
+
+  for p in model.parameters():
+    p.requires_grad_(False)
+  for layer in model.model.layers:
+    for parent in (layer.self_attn, layer.mlp):
+      for name in LORA_TARGETS:
+        if hasattr(parent, name):
+          setattr(parent, name, LoraLinear(getattr(parent, name)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Driver.
+
+
+def export_model(name: str, out_dir: str) -> int:
+  """Random weights of model `name` written as an HF directory; returns the parameter count."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import eppo_jax  # pylint: disable=g-import-not-at-top
+  config = eppo_jax.ModelConfig(**MODELS[name], max_position_embeddings=2048)
+  eppo_jax.export_hf(eppo_jax.init_params(config, jax.random.PRNGKey(0)), config, out_dir)
+  return config.num_params()
+
+
+def run_worker(side: str, model_dir: str, mode: str, batch: int, seq: int, args) -> dict:
+  cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--model-dir", model_dir,
+         "--mode", mode, "--batch", str(batch), "--seq", str(seq), "--steps", str(args.steps),
+         "--minibatches", str(args.minibatches), "--lora-rank", str(args.lora_rank)]
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+  if proc.returncode or not lines:
+    sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+    raise RuntimeError(f"{side} worker failed ({mode}, {model_dir})")
+  return json.loads(lines[-1][len("RESULT "):])
+
+
+def use_cores(n: int) -> int:
+  """Pins this process (and its children) to its first `n` allowed cores (0 = all); -> core count.
+
+  Both sides then get the same cores: XLA sizes its thread pool from the affinity mask, and torch
+  is given as many threads. On a shared machine, fewer cores than the machine has also keeps
+  torch's OpenMP barriers from waiting on threads that other processes' load has descheduled.
+  """
+  allowed = sorted(os.sched_getaffinity(0))
+  if n:
+    os.sched_setaffinity(0, allowed[:n])
+  return len(os.sched_getaffinity(0))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--cores", type=int, default=0,
+                      help="cores for both sides (0 = all this process may use)")
+  parser.add_argument("--models", default="tiny,100m", help="comma list of tiny, 100m")
+  parser.add_argument("--modes", default="lora,full", help="comma list of lora, full")
+  parser.add_argument("--tiny-shape", default="16x256", help="batch x sequence for tiny")
+  parser.add_argument("--100m-shape", dest="big_shape", default="4x64",
+                      help="batch x sequence for 100m")
+  parser.add_argument("--steps", type=int, default=2, help="timed updates after the first")
+  parser.add_argument("--minibatches", type=int, default=2)
+  parser.add_argument("--lora-rank", type=int, default=16)
+  parser.add_argument("--skip-torch", action="store_true", help="time only our side")
+  # Internal: run one side in this process and print a RESULT line.
+  parser.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
+  parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+  parser.add_argument("--mode", default="lora", help=argparse.SUPPRESS)
+  parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+  parser.add_argument("--seq", type=int, help=argparse.SUPPRESS)
+  args = parser.parse_args()
+
+  if args.worker:
+    out = (jax_worker if args.worker == "jax" else torch_worker)(args)
+    print("RESULT " + json.dumps(out), flush=True)
+    return
+
+  cores = use_cores(args.cores)  # Before jax starts its thread pool; workers inherit it.
+  import jax  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  print(f"jax {jax.__version__} on {jax.devices()[0].platform}; torch {torch.__version__} with "
+        f"{cores} threads; {cores} cores; ppo_epochs 1, {args.minibatches} minibatches, float32")
+  head = (f"{'model':>5} {'mode':>4} {'B x T':>8} {'trainable':>9} | {'compile s':>9} "
+          f"{'step s':>7} {'tok/s':>8} {'RSS GB':>6} | {'torch s':>7} {'tok/s':>8} {'RSS GB':>6} | "
+          f"{'ratio':>6} {'|dH|':>7}")
+  print(head)
+  print("-" * len(head))
+  shapes = {"tiny": args.tiny_shape, "100m": args.big_shape}
+  with tempfile.TemporaryDirectory() as tmp:
+    for name in args.models.split(","):
+      model_dir = os.path.join(tmp, name)
+      export_model(name, model_dir)
+      b, t = (int(x) for x in shapes[name].split("x"))
+      if b % GROUP or b % args.minibatches:
+        raise SystemExit(f"batch {b} must be a multiple of {GROUP} and of --minibatches")
+      for mode in args.modes.split(","):
+        ours = run_worker("jax", model_dir, mode, b, t, args)
+        row = (f"{name:>5} {mode:>4} {f'{b}x{t}':>8} {ours['trainable'] / 1e6:8.2f}M | "
+               f"{ours['compile_s']:9.1f} {ours['step_s']:7.3f} {ours['tokens_per_s']:8.0f} "
+               f"{ours['peak_rss'] / 1e9:6.2f} | ")
+        if args.skip_torch:
+          row += f"{'-':>7} {'-':>8} {'-':>6} | {'-':>6} {'-':>7}"
+        else:
+          ref = run_worker("torch", model_dir, mode, b, t, args)
+          row += (f"{ref['step_s']:7.3f} {ref['tokens_per_s']:8.0f} {ref['peak_rss'] / 1e9:6.2f} | "
+                  f"{ours['tokens_per_s'] / ref['tokens_per_s']:5.2f}x "
+                  f"{abs(ours['entropy'] - ref['entropy']):7.1e}")
+        if ours.get("device_peak"):
+          row += f"  device peak: ours {ours['device_peak'] / 1e9:.2f} GB"
+          if not args.skip_torch and ref.get("device_peak"):
+            row += f", torch {ref['device_peak'] / 1e9:.2f} GB"
+        print(row, flush=True)
+  print("ratio = our tokens/s / PyTorch tokens/s (>1: ours faster). compile s = first call - "
+        "median step. RSS = peak resident memory of that side's process.")
+
+
+if __name__ == "__main__":
+  main()
