@@ -113,9 +113,10 @@ class PacingState:
 
 def init_pacing(num_tasks: int) -> PacingState:
   """State before any batch: no task seen."""
-  zeros_K = jnp.zeros((num_tasks,), jnp.float32)
-  return PacingState(ema_K=zeros_K, seen_K=jnp.zeros((num_tasks,), bool), initial_K=zeros_K,
-                     last_K=zeros_K, innov_sq_K=zeros_K,
+  # A fresh array per field: a jitted step that donates the state may not see one buffer twice.
+  zeros_K = lambda: jnp.zeros((num_tasks,), jnp.float32)
+  return PacingState(ema_K=zeros_K(), seen_K=jnp.zeros((num_tasks,), bool), initial_K=zeros_K(),
+                     last_K=zeros_K(), innov_sq_K=zeros_K(),
                      innov_n_K=jnp.zeros((num_tasks,), jnp.int32), step=jnp.zeros((), jnp.int32))
 
 

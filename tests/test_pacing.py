@@ -298,3 +298,10 @@ def test_pacing_diagnostics_uses_state_before_update():
   assert int(diag["entropy_crossovers"]) == 1          # tasks 0 and 1 swap; 2 absent
   np.testing.assert_array_equal(diag["entropy_spikes_K"], [True, False, False])
   assert int(diag["num_entropy_spikes"]) == 1
+
+
+def test_initial_state_can_be_donated():
+  """Every field of a fresh state is its own buffer, so a jitted step may donate the state."""
+  state = init_pacing(3)
+  step = jax.jit(lambda s: s.replace(step=s.step + 1), donate_argnums=0)
+  assert int(step(state).step) == 1
