@@ -92,12 +92,13 @@ class MetricsLogger:
     """Per-task curves of entropy, bounds and success -> `plots.png` in the workdir."""
     if not self._plots or not self.history:
       return None
-    import matplotlib  # pylint: disable=g-import-not-at-top
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+    # A bare Figure renders with Agg by itself: no pyplot, so the process's matplotlib backend
+    # (a notebook's inline one, say) is left as it was.
+    from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
     cols = 3
     rows = math.ceil(len(PLOTTED) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
+    fig = Figure(figsize=(5 * cols, 3.2 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False)
     for ax, (metric, title) in zip(axes.flat, PLOTTED):
       for name in self.task_names:
         steps, values = self.series(f"task/{name}/{metric}")
@@ -106,11 +107,11 @@ class MetricsLogger:
       ax.set_title(title)
       ax.set_xlabel("RL step")
       ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=8)
+    if axes.flat[0].get_legend_handles_labels()[0]:  # An SFT-only run has no per-task curve.
+      axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
     path = self.workdir / "plots.png"
     fig.savefig(path, dpi=90)
-    plt.close(fig)
     return path
 
   def close(self) -> None:
