@@ -314,10 +314,12 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
   host_instances = parallel.host_share(r.instances_per_step * r.group_size, "episodes per step")
   host_instances //= r.group_size
   state = parallel.replicate(state)
-  bad_steps, record = 0, {}
+  bad_steps = 0
 
   if int(parallel.unreplicate(state).step) == 0:  # Where RL starts from (after SFT).
     logger.log(0, *evaluate(run, state.trainable, eval_key, sampler))
+  # A run resumed at its last step logs nothing new: its result is the last record it has.
+  record = logger.history[-1] if logger.history else {}
   while (step := int(state.step[0]) + 1) <= t.num_steps:
     start = time.time()
     drawn = sampler.sample(r.instances_per_step)
