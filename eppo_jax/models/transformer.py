@@ -23,7 +23,9 @@ import jax.numpy as jnp
 from eppo_jax.models.config import ModelConfig
 
 Params = Any
-Cache = dict  # {"k","v": [L,B,S,K,H], "mask": [B,S] bool, "index": [] int32, "pos": [B] int32}
+# Keys/values are stored [L,B,K,S,H] (slots next to head_dim) so that a layer's slice feeds both
+# attention matmuls without a transposing copy of the cache at every decode step.
+Cache = dict  # {"k","v": [L,B,K,S,H], "mask": [B,S] bool, "index": [] int32, "pos": [B] int32}
 
 _MASK_VALUE = -1e30  # Finite, so a fully masked (padding) query row gives a uniform, not NaN, row.
 
@@ -122,22 +124,37 @@ class Attention(nn.Module):
     q_BxTxNxH = apply_rope(q_BxTxNxH, sin, cos)
     k_BxTxKxH = apply_rope(k_BxTxKxH, sin, cos)
 
-    if kv_cache is None:
-      keys_BxSxKxH, values_BxSxKxH, new_cache = k_BxTxKxH, v_BxTxKxH, None
-    else:
-      cache_k, cache_v = kv_cache
-      start = (0, index, 0, 0)
-      keys_BxSxKxH = jax.lax.dynamic_update_slice(cache_k, k_BxTxKxH.astype(cache_k.dtype), start)
-      values_BxSxKxH = jax.lax.dynamic_update_slice(cache_v, v_BxTxKxH.astype(cache_v.dtype), start)
-      new_cache = (keys_BxSxKxH, values_BxSxKxH)
-
     # Grouped-query attention: query heads are grouped G = N / K per key/value head.
     q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, k, n // k, h)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, keys_BxSxKxH.astype(q_BxTxNxH.dtype),
-                        preferred_element_type=jnp.float32) / math.sqrt(h)
-    scores = jnp.where(mask_BxTxS[:, None, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(cfg.compute_dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, values_BxSxKxH.astype(cfg.compute_dtype))
+    if kv_cache is None:
+      scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxTxKxH,
+                          preferred_element_type=jnp.float32) / math.sqrt(h)
+      scores = jnp.where(mask_BxTxS[:, None, None], scores, _MASK_VALUE)
+      probs = jax.nn.softmax(scores, axis=-1).astype(cfg.compute_dtype)
+      out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxTxKxH.astype(cfg.compute_dtype))
+      new_cache = None
+    else:
+      # Attend to the slots written before this chunk and to the chunk itself, and return only the
+      # chunk: `forward_with_cache` writes all layers' chunks into the cache in one in-place update.
+      # Updating this layer's cache slice here instead made XLA copy the whole cache through the
+      # layer scan at every decode step.
+      cache_k, cache_v = kv_cache  # [B,K,S,H] each.
+      s = cache_k.shape[2]
+      # Round-trip through the cache dtype, so the chunk is seen exactly as later reads will see it.
+      k_BxTxKxH, v_BxTxKxH = k_BxTxKxH.astype(cache_k.dtype), v_BxTxKxH.astype(cache_v.dtype)
+      old_mask_BxTxS = mask_BxTxS & (jnp.arange(s) < index)[None, None, :]
+      new_mask_BxTxT = jax.lax.dynamic_slice_in_dim(mask_BxTxS, index, t, axis=2)
+      old_scores = jnp.einsum("btkgh,bksh->bkgts", q_BxTxKxGxH, cache_k.astype(q_BxTxNxH.dtype),
+                              preferred_element_type=jnp.float32) / math.sqrt(h)
+      new_scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxTxKxH.astype(q_BxTxNxH.dtype),
+                              preferred_element_type=jnp.float32) / math.sqrt(h)
+      scores = jnp.concatenate(
+          [jnp.where(old_mask_BxTxS[:, None, None], old_scores, _MASK_VALUE),
+           jnp.where(new_mask_BxTxT[:, None, None], new_scores, _MASK_VALUE)], axis=-1)
+      probs = jax.nn.softmax(scores, axis=-1).astype(cfg.compute_dtype)
+      out = (jnp.einsum("bkgts,bksh->btkgh", probs[..., :s], cache_v.astype(cfg.compute_dtype))
+             + jnp.einsum("bkgts,bskh->btkgh", probs[..., s:], v_BxTxKxH.astype(cfg.compute_dtype)))
+      new_cache = (k_BxTxKxH.transpose(0, 2, 1, 3), v_BxTxKxH.transpose(0, 2, 1, 3))
     out_BxTxD = Linear(cfg.hidden_size, cfg, name="o_proj")(out.reshape(b, t, n * h))
     return out_BxTxD, new_cache
 
@@ -154,7 +171,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  """Pre-norm block; scanned over layers, so `kv_cache` is this layer's slice of the stacked cache."""
+  """Pre-norm block; scanned over layers: `kv_cache` is this layer's cache slice, and the returned
+  cache is this layer's (k, v) of the new chunk (written into the cache by `forward_with_cache`)."""
 
   config: ModelConfig
 
@@ -226,7 +244,7 @@ def logits(params: Params, config: ModelConfig, tokens_BxT, attention_mask_BxT) 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
   """Empty cache of `max_len` slots per sequence."""
-  shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+  shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
   dtype = dtype or config.compute_dtype
   return {
       "k": jnp.zeros(shape, dtype),
@@ -254,11 +272,12 @@ def forward_with_cache(params: Params, config: ModelConfig, tokens_BxT, token_ma
   query_slot_T = index + jnp.arange(t)
   causal_TxS = jnp.arange(s)[None, :] <= query_slot_T[:, None]
   mask_BxTxS = causal_TxS[None] & slot_mask_BxS[:, None, :]
-  out, (k, v) = Transformer(config).apply(params, tokens_BxT, positions_BxT, mask_BxTxS,
-                                          (cache["k"], cache["v"]), index)
+  out, (k_LxBxKxTxH, v_LxBxKxTxH) = Transformer(config).apply(
+      params, tokens_BxT, positions_BxT, mask_BxTxS, (cache["k"], cache["v"]), index)
+  start = (0, 0, 0, index, 0)
   new_cache = {
-      "k": k,
-      "v": v,
+      "k": jax.lax.dynamic_update_slice(cache["k"], k_LxBxKxTxH, start),
+      "v": jax.lax.dynamic_update_slice(cache["v"], v_LxBxKxTxH, start),
       "mask": slot_mask_BxS,
       "index": index + t,
       "pos": cache["pos"] + valid_BxT.sum(axis=1, dtype=jnp.int32),

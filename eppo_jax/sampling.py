@@ -1,0 +1,276 @@
+"""Jitted sampling: prefill a chunk into a slot KV cache, then decode in a `lax.while_loop`.
+
+Shape letters: B batch, P prompt (chunk) length, N new tokens, T tokens, S cache slots, V vocab.
+
+Logprob convention. The returned `logprobs` and `entropies` are those of the temperature-scaled,
+untruncated policy `softmax(logits / temperature)`, i.e. *before* top-k / top-p truncation (the
+GRPO / verl convention). Truncation only decides which token is drawn; the numbers describe the
+policy that the loss recomputes teacher-forced with
+`token_logprobs_and_entropy(eppo_jax.logits(...), tokens, temperature)`, so old and new log-probs
+are the same function of the parameters. Greedy decoding reports the same quantities (with the
+configured temperature, default 1) for the argmax token.
+
+Multi-turn. `rollout(..., cache=out.cache)` appends its chunk (observation + next turn header,
+left-padded) after everything already in the cache and decodes from there: a conversation is never
+re-encoded. Allocate the first cache with `max_len` slots for the whole episode: each call uses
+`P + (decode steps actually taken)` slots and every decode step writes one slot for all rows. The
+returned cache holds every generated token, stop tokens included. A row whose chunk is all padding
+(an episode that already ended, a filler row) generates nothing in that call.
+
+Static shapes. Left-pad prompts to a few bucket lengths (`left_pad`, `bucket`) and keep a few
+`SamplingConfig`s: XLA then compiles one program per (bucket, config, batch), see
+`compiled_programs`. The decode loop exits as soon as every row has stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eppo_jax.models.config import ModelConfig
+from eppo_jax.models.transformer import Cache, forward_with_cache, init_cache
+
+Params = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How to draw tokens; hashable, so it is a static argument of the jitted rollout."""
+
+  max_new_tokens: int = 64
+  temperature: float = 1.0
+  top_p: float = 1.0  # Nucleus: keep the smallest prefix of sorted tokens with mass >= top_p.
+  top_k: int = 0  # 0 = off; ties at the k-th value are all kept.
+  greedy: bool = False  # Argmax of the logits; temperature then only scales the reported numbers.
+  stop_token_ids: tuple[int, ...] = ()  # A row stops after emitting any of these (it is kept).
+  pad_id: int = 0  # Written after a row has stopped.
+
+  def __post_init__(self):
+    if self.max_new_tokens <= 0:
+      raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+    if not self.temperature > 0:
+      raise ValueError(f"temperature must be > 0 (use greedy=True for argmax), got "
+                       f"{self.temperature}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+    object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@flax.struct.dataclass
+class RolloutOutput:
+  """Result of one `rollout` call; a pytree, so it crosses jit / pmap boundaries."""
+
+  tokens: jax.Array  # [B,N] int32, pad_id after the stop token and for inactive rows.
+  logprobs: jax.Array  # [B,N] float32, log pi(token) under softmax(logits / T); 0 where masked.
+  entropies: jax.Array  # [B,N] float32, entropy of softmax(logits / T); 0 where masked.
+  mask: jax.Array  # [B,N] bool, True up to and including the stop token.
+  lengths: jax.Array  # [B] int32, number of generated tokens (= mask.sum(1)).
+  cache: Cache  # The KV cache after the chunk and every generated token (stop tokens included).
+
+
+# ----------------------------------------------------------------------------------------------
+# Distribution helpers (shared with the trainer, so sampled and recomputed numbers agree).
+
+
+def token_logprobs_and_entropy(logits_BxTxV, tokens_BxT, temperature: float = 1.0):
+  """(log pi(token) [B,T], entropy [B,T]) of softmax(logits / temperature), in float32."""
+  z_BxTxV = logits_BxTxV.astype(jnp.float32) / temperature
+  lse_BxT = jax.nn.logsumexp(z_BxTxV, axis=-1)
+  z_tok_BxT = jnp.take_along_axis(z_BxTxV, tokens_BxT[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  # logsumexp(z) - sum(softmax(z) z) is exact and never forms log(0) * 0.
+  probs_BxTxV = jnp.exp(z_BxTxV - lse_BxT[..., None])
+  entropy_BxT = lse_BxT - jnp.sum(probs_BxTxV * z_BxTxV, axis=-1)
+  return z_tok_BxT - lse_BxT, entropy_BxT
+
+
+def truncate_logits(z_BxV, top_k: int = 0, top_p: float = 1.0):
+  """Sets tokens outside top-k, then outside the top-p nucleus, to -inf (k first, as HF does)."""
+  if top_k and top_k < z_BxV.shape[-1]:
+    kth_B = jax.lax.top_k(z_BxV, top_k)[0][:, -1]
+    z_BxV = jnp.where(z_BxV >= kth_B[:, None], z_BxV, -jnp.inf)
+  if top_p < 1.0:
+    sorted_BxV = jnp.sort(z_BxV, axis=-1)[:, ::-1]
+    probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+    # A sorted token is kept while the mass strictly before it is < top_p; the first always is.
+    mass_before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+    kept_BxV = mass_before_BxV < top_p
+    threshold_B = jnp.min(jnp.where(kept_BxV, sorted_BxV, jnp.inf), axis=-1)
+    z_BxV = jnp.where(z_BxV >= threshold_B[:, None], z_BxV, -jnp.inf)
+  return z_BxV
+
+
+def sample_token(logits_BxV, rng, sampling: SamplingConfig):
+  """Draws one token per row -> (token [B] int32, logprob [B], entropy [B]) per the convention."""
+  z_BxV = logits_BxV.astype(jnp.float32) / sampling.temperature
+  if sampling.greedy:
+    token_B = jnp.argmax(logits_BxV, axis=-1)
+  else:
+    truncated_BxV = truncate_logits(z_BxV, sampling.top_k, sampling.top_p)
+    token_B = jax.random.categorical(rng, truncated_BxV, axis=-1)
+  token_B = token_B.astype(jnp.int32)
+  logprob_Bx1, entropy_Bx1 = token_logprobs_and_entropy(z_BxV[:, None], token_B[:, None], 1.0)
+  return token_B, logprob_Bx1[:, 0], entropy_Bx1[:, 0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Static-shape helpers (host side).
+
+
+def bucket(n: int, buckets: Sequence[int]) -> int:
+  """Smallest bucket >= n, so that XLA compiles one program per bucket rather than per length."""
+  for b in sorted(buckets):
+    if n <= b:
+      return int(b)
+  raise ValueError(f"length {n} exceeds the largest bucket {max(buckets)}; add a bigger bucket")
+
+
+def left_pad(sequences: Sequence[Sequence[int]], buckets: Sequence[int], pad_id: int,
+             min_len: int = 1):
+  """Ragged token lists -> (tokens [B,P] int32, mask [B,P] bool), left-padded to a bucket length."""
+  longest = max([len(s) for s in sequences] + [min_len])
+  p = bucket(longest, buckets)
+  tokens_BxP = np.full((len(sequences), p), pad_id, np.int32)
+  mask_BxP = np.zeros((len(sequences), p), bool)
+  for i, seq in enumerate(sequences):
+    if len(seq):
+      tokens_BxP[i, p - len(seq):] = np.asarray(seq, np.int32)
+      mask_BxP[i, p - len(seq):] = True
+  return tokens_BxP, mask_BxP
+
+
+# ----------------------------------------------------------------------------------------------
+# Cache bounds. `dynamic_update_slice` clamps an out-of-range start silently, which would overwrite
+# the newest slots; so overflow is refused on the host when the index is concrete, and poisoned
+# (NaN logits) when it is traced under an outer jit / pmap, where raising is impossible.
+
+
+def _check_fits(cache: Cache, t: int, what: str) -> None:
+  """Raises if writing `t` more slots overflows the cache; skipped when the index is traced."""
+  slots = cache["mask"].shape[1]
+  if t > slots:
+    raise ValueError(f"{what}: {t} slots needed but the cache has only {slots}; allocate it with "
+                     f"a larger max_len")
+  index = cache["index"]
+  if isinstance(index, jax.core.Tracer):
+    return
+  used = int(index)
+  if used + t > slots:
+    raise ValueError(f"{what}: the cache holds {used} of {slots} slots and {t} more are needed; "
+                     f"allocate the first cache with max_len >= {used + t} for the whole episode")
+
+
+def _extend(params, config: ModelConfig, cache: Cache, tokens_BxT, mask_BxT):
+  """Un-jitted body of `extend`; logits are NaN if the chunk did not fit (traced overflow)."""
+  fits = cache["index"] + tokens_BxT.shape[1] <= cache["mask"].shape[1]
+  logits_BxTxV, cache = forward_with_cache(params, config, tokens_BxT, mask_BxT, cache)
+  return jnp.where(fits, logits_BxTxV, jnp.nan), cache
+
+
+_extend_jit = jax.jit(_extend, static_argnames=("config",), donate_argnames=("cache",))
+
+
+def extend(params: Params, config: ModelConfig, cache: Cache, new_tokens_BxT, new_mask_BxT):
+  """Appends a left-padded chunk after the cache's content -> (logits [B,T,V] float32, cache).
+
+  The input cache is donated: use only the returned one.
+  """
+  _check_fits(cache, new_tokens_BxT.shape[1], "extend")
+  return _extend_jit(params, config, cache, new_tokens_BxT, new_mask_BxT)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rollout.
+
+
+def _rollout(params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP, rng,
+             sampling: SamplingConfig, cache: Optional[Cache], max_len: Optional[int]):
+  """Un-jitted body of `rollout` (see there)."""
+  b = prompt_tokens_BxP.shape[0]
+  n = sampling.max_new_tokens
+  if cache is None:
+    # The barrier hides the all-zero cache from XLA, which would otherwise spend seconds
+    # constant-folding the prefill's attention over the empty slots.
+    cache = jax.lax.optimization_barrier(
+        init_cache(config, b, max_len or prompt_tokens_BxP.shape[1] + n))
+  prompt_mask_BxP = prompt_mask_BxP.astype(bool)
+  fits = cache["index"] + prompt_tokens_BxP.shape[1] + n <= cache["mask"].shape[1]
+
+  prompt_logits_BxPxV, cache = forward_with_cache(params, config, prompt_tokens_BxP,
+                                                  prompt_mask_BxP, cache)
+  # Left padding puts every row's last valid token in the last column.
+  logits_BxV = jnp.where(fits, prompt_logits_BxPxV[:, -1], jnp.nan)
+  # A row with nothing in its chunk has no next-token distribution: it is finished (e.g. an episode
+  # that ended in an earlier turn, or a filler row), and generates nothing.
+  done_B = ~prompt_mask_BxP.any(axis=1)
+  stop_ids = jnp.asarray(sampling.stop_token_ids or (-1,), jnp.int32)
+
+  def cond(carry):
+    step, done_B = carry[0], carry[2]
+    return (step < n) & ~jnp.all(done_B)
+
+  def body(carry):
+    step, logits_BxV, done_B, cache, tokens_BxN, logprobs_BxN, entropies_BxN, mask_BxN = carry
+    token_B, logprob_B, entropy_B = sample_token(logits_BxV, jax.random.fold_in(rng, step),
+                                                 sampling)
+    live_B = ~done_B
+    token_B = jnp.where(live_B, token_B, sampling.pad_id)
+    tokens_BxN = tokens_BxN.at[:, step].set(token_B)
+    logprobs_BxN = logprobs_BxN.at[:, step].set(jnp.where(live_B, logprob_B, 0.0))
+    entropies_BxN = entropies_BxN.at[:, step].set(jnp.where(live_B, entropy_B, 0.0))
+    mask_BxN = mask_BxN.at[:, step].set(live_B)
+    stopped_B = jnp.isin(token_B, stop_ids) & live_B
+    # Write the token just drawn (stop tokens included) so the cache holds the whole reply and a
+    # later turn can continue it; finished rows write a masked pad slot. The logits of the last
+    # step are unused, the price of a cache that is complete when the loop exits.
+    logits_Bx1xV, cache = forward_with_cache(params, config, token_B[:, None], live_B[:, None],
+                                             cache)
+    done_B = done_B | stopped_B | (step + 1 >= n)
+    return (step + 1, logits_Bx1xV[:, 0], done_B, cache, tokens_BxN, logprobs_BxN, entropies_BxN,
+            mask_BxN)
+
+  carry = (jnp.zeros((), jnp.int32), logits_BxV, done_B, cache,
+           jnp.full((b, n), sampling.pad_id, jnp.int32), jnp.zeros((b, n), jnp.float32),
+           jnp.zeros((b, n), jnp.float32), jnp.zeros((b, n), bool))
+  _, _, _, cache, tokens_BxN, logprobs_BxN, entropies_BxN, mask_BxN = jax.lax.while_loop(
+      cond, body, carry)
+  return RolloutOutput(tokens=tokens_BxN, logprobs=logprobs_BxN, entropies=entropies_BxN,
+                       mask=mask_BxN, lengths=mask_BxN.sum(axis=1, dtype=jnp.int32), cache=cache)
+
+
+_rollout_jit = jax.jit(_rollout, static_argnames=("config", "sampling", "max_len"),
+                       donate_argnames=("cache",))
+
+
+def rollout(params: Params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP, rng,
+            sampling: SamplingConfig, cache: Optional[Cache] = None,
+            max_len: Optional[int] = None) -> RolloutOutput:
+  """Prefills left-padded prompts (or appends them to `cache`) and samples up to N tokens per row.
+
+  Rows stop on any stop id or after `max_new_tokens`; the loop exits once every row has stopped.
+  Without `cache`, a cache of `max_len` slots (default P + N) is allocated; give the whole
+  episode's length to continue the conversation later with `rollout(..., cache=out.cache)`.
+  A passed cache is donated. Pure and jitted (static `config`, `sampling`, `max_len`); callable
+  inside `jax.pmap`, where each device samples its shard with its own `rng`.
+  """
+  p, n = prompt_tokens_BxP.shape[1], sampling.max_new_tokens
+  if cache is None:
+    if max_len is not None and max_len < p + n:
+      raise ValueError(f"max_len={max_len} is smaller than prompt {p} + max_new_tokens {n}")
+  else:
+    if max_len is not None:
+      raise ValueError("max_len only sizes a new cache; the passed cache keeps its own size")
+    _check_fits(cache, p + n, "rollout")
+  return _rollout_jit(params, config, prompt_tokens_BxP, prompt_mask_BxP, rng, sampling, cache,
+                      max_len)
+
+
+def compiled_programs() -> int:
+  """Number of programs XLA has compiled for `rollout` and `extend` in this process."""
+  return _rollout_jit._cache_size() + _extend_jit._cache_size()  # pylint: disable=protected-access
