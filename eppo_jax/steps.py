@@ -140,7 +140,7 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
     if axis is not None:
       ok = lax.pmin(ok.astype(jnp.int32), axis) > 0  # All devices skip together.
     keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new, old)
-    metrics = dict(metrics, grad_norm=optax.global_norm(grads), skipped=1 - ok.astype(jnp.int32))
+    metrics = dict(metrics, grad_norm=optax.tree.norm(grads), skipped=1 - ok.astype(jnp.int32))
     return (keep(new_trainable, trainable), keep(new_opt_state, opt_state)), metrics
 
   rng_epochs = jax.random.split(rng, cfg.ppo_epochs)
@@ -191,4 +191,4 @@ def sft_step(trainable, opt_state, frozen, batch: dict, *, model: ModelConfig,
     loss, grads = lax.pmean((loss, grads), axis_name)
   updates, opt_state = tx.update(grads, opt_state, trainable)
   return (optax.apply_updates(trainable, updates), opt_state,
-          {"sft_loss": loss, "sft_grad_norm": optax.global_norm(grads)})
+          {"sft_loss": loss, "sft_grad_norm": optax.tree.norm(grads)})
