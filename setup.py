@@ -13,7 +13,7 @@ setup(
     install_requires=[
         "jax>=0.6.0",
         "flax>=0.10.4",
-        "optax>=0.2.5",
+        "optax>=0.2.8",
         "orbax-checkpoint>=0.11.0",
         "transformers>=4.51.0",
         "tokenizers>=0.21.0",
