@@ -34,6 +34,8 @@ import time
 
 import numpy as np
 
+from common import use_cores
+
 GROUP = 4  # Rows per GRPO group.
 NUM_TASKS = 3
 LR = 1e-5
@@ -252,19 +254,6 @@ def run_worker(side: str, model_dir: str, mode: str, batch: int, seq: int, args)
     sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
     raise RuntimeError(f"{side} worker failed ({mode}, {model_dir})")
   return json.loads(lines[-1][len("RESULT "):])
-
-
-def use_cores(n: int) -> int:
-  """Pins this process (and its children) to its first `n` allowed cores (0 = all); -> core count.
-
-  Both sides then get the same cores: XLA sizes its thread pool from the affinity mask, and torch
-  is given as many threads. On a shared machine, fewer cores than the machine has also keeps
-  torch's OpenMP barriers from waiting on threads that other processes' load has descheduled.
-  """
-  allowed = sorted(os.sched_getaffinity(0))
-  if n:
-    os.sched_setaffinity(0, allowed[:n])
-  return len(os.sched_getaffinity(0))
 
 
 def main():
