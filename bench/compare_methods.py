@@ -74,7 +74,7 @@ def _mean_std(values) -> str:
   return f"{values.mean():.3f} ± {values.std(ddof=1) if len(values) > 1 else 0.0:.3f}"
 
 
-def write_report(root: Path, runs: dict, tasks: list[str], args) -> None:
+def write_report(root: Path, runs: dict, tasks: list[str]) -> None:
   """results.md with a mean ± std table over seeds and curves.png."""
   lines = [f"Command: `python bench/compare_methods.py {' '.join(sys.argv[1:])}`", "",
            "| method | seeds | start (SFT) | final success | best success | worst task (final) "
@@ -157,9 +157,11 @@ def main():
       records = _read(workdir)
       runs[name][seed] = {"records": records, "summary": summarize(records, tasks)}
       print(name, seed, json.dumps(runs[name][seed]["summary"]), flush=True)
-  (root / "summary.json").write_text(json.dumps(
-      {n: {s: v["summary"] for s, v in r.items()} for n, r in runs.items()}, indent=1))
-  write_report(root, runs, tasks, args)
+      # Rewritten after every run, so an interrupted study still reports what it finished.
+      done = {n: r for n, r in runs.items() if r}
+      (root / "summary.json").write_text(json.dumps(
+          {n: {s: v["summary"] for s, v in r.items()} for n, r in done.items()}, indent=1))
+      write_report(root, done, tasks)
   print((root / "results.md").read_text())
 
 

@@ -90,12 +90,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.sft = ml_collections.ConfigDict()
   c.sft.enabled = True  # Warm start on expert demonstrations (tiny default; off for HF presets).
   c.sft.demos_per_task = 300
-  c.sft.steps = 150
+  c.sft.steps = 120
   c.sft.batch_size = 32
   c.sft.learning_rate = 3e-3
 
   c.train = ml_collections.ConfigDict()
-  c.train.num_steps = 40  # RL steps.
+  c.train.num_steps = 30  # RL steps.
   c.train.eval_every = 10  # 0 = only at the end.
   c.train.eval_instances_per_task = 32  # Held-out seeds, greedy decoding.
   c.train.checkpoint_every = 10
