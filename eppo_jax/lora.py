@@ -1,6 +1,6 @@
 """LoRA as a pytree transform: add adapter leaves, strip them, merge them, and mask the optimizer.
 
-An adapted projection computes `x @ W + (x @ A) @ B * alpha / rank` (see `models.transformer.Linear`),
+An adapted projection computes `x @ W + (x @ A) @ B * alpha / rank` (`models.transformer.Linear`),
 applied only when the `lora_a`/`lora_b` leaves are present. So `base_params(params)` *is* the
 reference policy for the KL term, at no extra memory.
 """
@@ -24,7 +24,7 @@ def is_lora_path(path: tuple[str, ...]) -> bool:
 
 
 def add_lora(params, config: ModelConfig, lora: LoraConfig, rng: jax.Array):
-  """Returns (config with `lora`, params with adapters): A ~ N(0, 1/fan_in), B = 0 (a no-op at start)."""
+  """(config with `lora`, params with adapters): A ~ N(0, 1/fan_in), B = 0, so a no-op at start."""
   flat = tu.flatten_dict(params)
   kernels = sorted(p for p in flat if p[-1] == "kernel" and p[-2] in lora.targets)
   if not kernels:

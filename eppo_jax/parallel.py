@@ -36,9 +36,9 @@ def initialize(cfg) -> None:
     kwargs = dict(coordinator_address=cfg.coordinator_address,
                   num_processes=cfg.num_processes, process_id=cfg.process_id)
   jax.distributed.initialize(**kwargs)
-  logging.getLogger(__name__).info("jax.distributed: process %d of %d, %d local / %d global devices",
-               jax.process_index(), jax.process_count(), jax.local_device_count(),
-               jax.device_count())
+  logging.getLogger(__name__).info(
+      "jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(),
+      jax.process_count(), jax.local_device_count(), jax.device_count())
 
 
 def host_share(global_count: int, what: str) -> int:

@@ -1,4 +1,4 @@
-"""The model as an `agent.Policy`: `rollout` pmapped over the local devices, cache kept on device."""
+"""The model as an `agent.Policy`: `rollout` pmapped over local devices, the cache kept on device."""
 
 from __future__ import annotations
 

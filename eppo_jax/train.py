@@ -1,16 +1,16 @@
 """The training run: model setup, SFT warm start, the RL loop, evaluation, checkpoints and logs.
 
 One RL step: sample task instances -> play G episodes of each with the current policy (host
-environments, device `rollout`) -> `steps.train_step` (pacing, advantages, PPO updates) on all devices
--> log; every few steps greedy evaluation on held-out seeds and a checkpoint.
+environments, device `rollout`) -> `steps.train_step` (pacing, advantages, PPO updates) on all
+devices -> log; every few steps greedy evaluation on held-out seeds and a checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import functools
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Optional
@@ -32,9 +32,18 @@ from eppo_jax.policy import ModelPolicy
 from eppo_jax.sampling import SamplingConfig
 
 _DEMO_SEED = 1_000_000  # First seed of the SFT demonstrations.
+# The root key is split once into these purposes; per-step keys are `fold_in(key, step)`, so a
+# resumed run draws the same numbers as an uninterrupted one.
+_KEY_PURPOSES = ("rollout", "train", "eval", "lora")
 _BATCH_KEYS = ("tokens", "attention_mask", "loss_mask", "task_ids", "group_ids", "rewards")
 
 log = logging.getLogger(__name__)
+
+
+def named_keys(seed: int) -> dict:
+  """{purpose: key} derived from the config seed."""
+  root = jax.random.PRNGKey(seed)
+  return {name: jax.random.fold_in(root, i) for i, name in enumerate(_KEY_PURPOSES)}
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -117,8 +126,7 @@ def load_model(config, workdir: Path):
   params = pre.params
   if m.lora_rank:
     lora_cfg = LoraConfig(rank=m.lora_rank, alpha=m.lora_alpha, targets=tuple(m.lora_targets))
-    model_cfg, params = lora.add_lora(params, model_cfg, lora_cfg,
-                                      jax.random.fold_in(jax.random.PRNGKey(config.seed), 7))
+    model_cfg, params = lora.add_lora(params, model_cfg, lora_cfg, named_keys(config.seed)["lora"])
   return model_cfg, params, pre.tokenizer
 
 
@@ -224,7 +232,7 @@ def sft_stage(run: Run, trainable, logger: MetricsLogger):
   s = run.config.sft
   demos = demonstrations(run)
   log.info("SFT: %d demonstrations, %d tokens, %d trained", len(demos.rewards),
-               demos.attention_mask.sum(), demos.loss_mask.sum())
+           demos.attention_mask.sum(), demos.loss_mask.sum())
   tx = make_optimizer(s.learning_rate, max(1, s.steps // 10), 0.0, 1.0)
   sft = jax.pmap(functools.partial(steps.sft_step, model=run.model, tx=tx, axis_name=parallel.AXIS),
                  axis_name=parallel.AXIS, donate_argnums=(0, 1))
@@ -271,9 +279,9 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
   trainable, frozen = lora.partition(params, mask)
   n_adapt, n_total = lora.count(params)
   log.info("model %s: %.2fM params, %s trainable; %d devices on %d hosts",
-               model_cfg.architecture, n_total / 1e6,
-               f"{n_adapt / 1e6:.2f}M (LoRA)" if n_adapt else "all", jax.device_count(),
-               jax.process_count())
+           model_cfg.architecture, n_total / 1e6,
+           f"{n_adapt / 1e6:.2f}M (LoRA)" if n_adapt else "all", jax.device_count(),
+           jax.process_count())
 
   pacing_cfg, loss_cfg = objective.method_configs(
       config.method, **dict(config.pacing.overrides), **dict(config.loss.overrides))
@@ -307,8 +315,8 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
       state = state.replace(trainable=sft_stage(run, state.trainable, logger))
     save(state, logger)
 
-  root = jax.random.PRNGKey(config.seed)
-  rollout_key, train_key, eval_key = (jax.random.fold_in(root, i) for i in range(3))
+  keys = named_keys(config.seed)
+  rollout_key, train_key, eval_key = keys["rollout"], keys["train"], keys["eval"]
   p_train = jax.pmap(functools.partial(steps.train_step, cfg=step_cfg, tx=tx),
                      axis_name=parallel.AXIS, donate_argnums=(0,))
   host_instances = parallel.host_share(r.instances_per_step * r.group_size, "episodes per step")
@@ -330,8 +338,8 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
     episodes = run.play(policy, instances, r.group_size)
     env_s, play_s = run.stepper.seconds, time.time() - start
     batch = parallel.shard(batch_arrays(episodes, jax.process_index() * host_instances))
-    keys = parallel.replicate(jax.random.fold_in(train_key, step))
-    state, metrics = p_train(state, run.frozen, batch, keys)
+    step_keys = parallel.replicate(jax.random.fold_in(train_key, step))
+    state, metrics = p_train(state, run.frozen, batch, step_keys)
     metrics = jax.device_get(parallel.unreplicate(metrics))
     total_s = time.time() - start
     all_episodes = agent.EpisodeBatch(**parallel.gather_hosts(dataclasses.asdict(episodes)))
