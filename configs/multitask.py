@@ -75,12 +75,15 @@ def base_config() -> ml_collections.ConfigDict:
   c.rollout.top_k = 0
 
   c.optim = ml_collections.ConfigDict()
-  c.optim.learning_rate = 1e-4
+  # Large enough, with several minibatches per rollout batch, that later minibatches are off-policy
+  # and the clip bounds act: with too small a step every ratio stays inside [1-ε, 1+ε] and all
+  # methods coincide.
+  c.optim.learning_rate = 5e-4
   c.optim.warmup_steps = 5
   c.optim.weight_decay = 0.0
   c.optim.grad_clip = 1.0
   c.optim.ppo_epochs = 1
-  c.optim.num_minibatches = 2  # Per RL step and device; each is one optimizer update.
+  c.optim.num_minibatches = 4  # Per RL step and device; each is one optimizer update.
 
   # Overrides of the method's PacingConfig / LossConfig fields (see docs/eppo.md), e.g.
   # `--config.pacing.alpha=0.5`. Empty means the method's defaults.
@@ -132,6 +135,7 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     c.rollout.max_turns = 2
     c.rollout.max_new_tokens = 8
     c.rollout.max_episode_tokens = 512
+    c.optim.num_minibatches = 2
     c.sft.demos_per_task = 8
     c.sft.steps = 3
     c.sft.batch_size = 8
