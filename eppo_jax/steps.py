@@ -132,16 +132,22 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
     mb, key = xs
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, mb, key)
     grads = grads if axis is None else lax.pmean(grads, axis)
-    updates, new_opt_state = tx.update(grads, opt_state, trainable)
-    new_trainable = optax.apply_updates(trainable, updates)
     # A non-finite loss or gradient skips this update; the host counts skips and stops the run
     # after several in a row.
     ok = jnp.isfinite(loss) & _finite(grads)
     if axis is not None:
       ok = lax.pmin(ok.astype(jnp.int32), axis) > 0  # All devices skip together.
-    keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+    def apply(operands):
+      trainable, opt_state, grads = operands
+      updates, opt_state = tx.update(grads, opt_state, trainable)
+      return optax.apply_updates(trainable, updates), opt_state
+
+    # A branch, not a select of old and new: the skipped path holds no second copy of the params
+    # and optimizer state, which matters for full fine-tuning.
+    carry = lax.cond(ok, apply, lambda operands: operands[:2], (trainable, opt_state, grads))
     metrics = dict(metrics, grad_norm=optax.tree.norm(grads), skipped=1 - ok.astype(jnp.int32))
-    return (keep(new_trainable, trainable), keep(new_opt_state, opt_state)), metrics
+    return carry, metrics
 
   rng_epochs = jax.random.split(rng, cfg.ppo_epochs)
   carry = (state.trainable, state.opt_state)
