@@ -26,6 +26,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from eppo_jax.envs.base import format_action, parse_action
+from eppo_jax.sampling import left_pad
 
 _SENTINEL = "\u2063EPPO_REPLY\u2063"  # Marks where the reply sits when rendering the template.
 
@@ -72,7 +73,11 @@ Policy = Callable[[np.ndarray, np.ndarray, object, np.ndarray], tuple]
 
 
 def bucket(n: int, multiple: int = 32) -> int:
-  """Rounds a length up so jitted shapes come from a handful of sizes."""
+  """Rounds a length up to a multiple, so jitted shapes come from a handful of sizes.
+
+  Multiples rather than `sampling.bucket`'s fixed list: turn chunks and episodes have no natural
+  upper bound, and the cache size (`max_slots`) already caps what fits.
+  """
   return max(multiple, -(-n // multiple) * multiple)
 
 
@@ -125,16 +130,6 @@ class ChatFormat:
   def reply_tokens(self, action: str) -> list[int]:
     """A demonstration reply: the formatted action and the stop token."""
     return self._encode(format_action(action)) + [self.stop_token_ids[0]]
-
-
-def _left_pad(rows: list[list[int]], width: int, pad_id: int):
-  tokens = np.full((len(rows), width), pad_id, np.int32)
-  mask = np.zeros((len(rows), width), bool)
-  for b, row in enumerate(rows):
-    if row:
-      tokens[b, width - len(row):] = row
-      mask[b, width - len(row):] = True
-  return tokens, mask
 
 
 def _safe_step(env, action):
@@ -220,8 +215,8 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
       break
     if not active.any():
       break
-    chunk, chunk_mask = _left_pad([p if a else [] for p, a in zip(pending, active)], width,
-                                  pad_id)
+    chunk, chunk_mask = left_pad([p if a else [] for p, a in zip(pending, active)], [width],
+                                 pad_id)
     reply, reply_mask, state = policy(chunk, chunk_mask, state, active.copy())
     reply, reply_mask = np.asarray(reply), np.asarray(reply_mask, bool)
     slots += width + reply.shape[1]
