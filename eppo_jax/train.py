@@ -13,7 +13,6 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Optional
 
 import jax
 import jax.numpy as jnp

@@ -14,7 +14,7 @@ sequence reproduces the cached computation.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import flax.linen as nn
 import jax
