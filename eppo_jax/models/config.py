@@ -88,3 +88,15 @@ class ModelConfig:
     layer = attn + 3 * d * f + 2 * d
     head = 0 if self.tie_word_embeddings else v * d
     return v * d + self.num_layers * layer + d + head
+
+  def forward_flops_per_token(self, seq_len: int) -> int:
+    """Matmul FLOPs of one token's forward pass in a `seq_len` sequence (the MFU numerator).
+
+    2 x (every projection, MLP and the LM head) + 4 x L x N x H x seq_len for scores and values,
+    counted over the full sequence as the implementation computes them (no causal halving).
+    Adapters, norms, RoPE and the softmax are left out; the backward pass costs twice this.
+    """
+    d, f = self.hidden_size, self.intermediate_size
+    q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+    matmul = self.num_layers * (d * q + 2 * d * kv + q * d + 3 * d * f) + d * self.vocab_size
+    return 2 * matmul + 4 * self.num_layers * q * seq_len

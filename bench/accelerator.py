@@ -1,0 +1,206 @@
+"""Model FLOPs utilisation of the EPPO update and roofline fraction of decode, on one accelerator.
+
+  python bench/accelerator.py                          # GPU/TPU: Qwen2.5-0.5B shape, bf16
+  python bench/accelerator.py --model qwen2.5-1.5b --batch 8 --seq 2048
+  python bench/accelerator.py --model tiny --dtype float32 --batch 8 --seq 64 \
+      --decode-batches 1,8 --prompt-len 32 --new-tokens 32   # CPU check of the script
+
+Weights are random (the shape is what costs time), so nothing is downloaded.
+
+* Update: `steps.train_step` (pmapped on one device, donated state, EPPO objective, one PPO epoch of
+  `--minibatches` minibatches) on a B x T batch, full fine-tuning and LoRA. Its model FLOPs are one
+  forward (the old-log-prob pass) plus forward + backward (3 forwards) per epoch, counted by
+  `ModelConfig.forward_flops_per_token`. MFU = model FLOPs / step time / peak.
+* Decode: greedy `sampling.rollout` at several batch sizes. A decode step reads every weight (the
+  untied embedding table aside) and the whole K/V cache (attention spans all slots), and does
+  2 x params + attention FLOPs per row. Its roofline time is max(bytes / bandwidth, FLOPs / peak);
+  roofline fraction = that time / measured step time.
+
+Peaks come from a table of dense bf16 TFLOP/s and HBM bandwidth by `device_kind`, or from
+`--peak-tflops` / `--peak-gbps`; the achievable peaks measured here (a large bf16 matmul and a large
+copy) are printed next to them, and fractions are given against both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from decode import decode_weight_bytes, time_jax
+from train_step import GROUP, LR, NUM_TASKS, make_batch
+
+from eppo_jax import lora, objective, pacing, parallel, steps
+from eppo_jax.models.config import LoraConfig, ModelConfig
+from eppo_jax.models.transformer import init_params
+from eppo_jax.train import make_optimizer
+
+MODELS = {
+    "tiny": dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_layers=4,
+                 num_heads=4, num_kv_heads=2, head_dim=64, tie_word_embeddings=True),
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                         num_heads=14, num_kv_heads=2, head_dim=64, tie_word_embeddings=True,
+                         attention_bias=True, architecture="Qwen2ForCausalLM"),
+    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                         num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128,
+                         tie_word_embeddings=True, attention_bias=True,
+                         architecture="Qwen2ForCausalLM"),
+}
+
+# (substring of device_kind, dense bf16 TFLOP/s, HBM GB/s): vendor datasheet figures.
+PEAKS = [("H200", 989, 4800), ("H100", 989, 3350), ("A100", 312, 2039), ("L4", 121, 300),
+         ("v6 lite", 918, 1640), ("v5 lite", 197, 819), ("v5p", 459, 2765), ("v4", 275, 1200)]
+
+
+def datasheet_peaks(device) -> tuple[float | None, float | None]:
+  for key, tflops, gbps in PEAKS:
+    if key.lower() in device.device_kind.lower():
+      return tflops * 1e12, gbps * 1e9
+  return None, None
+
+
+def measured_peaks(dtype, n: int = 4096, copy_bytes: int = 1 << 28) -> tuple[float, float]:
+  """(FLOP/s of an n x n x n matmul, bytes/s of a copy with read + write counted), best of 5."""
+  def best(fn, x):
+    times = []
+    for _ in range(6):  # The first call compiles.
+      start = time.perf_counter()
+      x = jax.block_until_ready(fn(x))
+      times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+  flops = 2 * n**3 / best(jax.jit(lambda x: (x @ x) / n), jnp.ones((n, n), dtype))  # Stays 1.
+  # Donated: the output reuses the input's buffer, so no page is touched for the first time.
+  bump = jax.jit(lambda x: x + 1, donate_argnums=0)
+  bandwidth = 2 * copy_bytes / best(bump, jnp.ones((copy_bytes // 4,), jnp.float32))
+  return flops, bandwidth
+
+
+def time_update(config: ModelConfig, mode: str, args) -> dict:
+  """Median seconds of `steps.train_step` after one compiling step, and its model FLOPs."""
+  params = init_params(config, jax.random.PRNGKey(0))
+  if mode == "lora":
+    config, params = lora.add_lora(params, config, LoraConfig(rank=16, alpha=32.0),
+                                   jax.random.PRNGKey(1))
+  trainable, frozen = lora.partition(
+      params, lora.trainable_mask(params, full_finetune=mode == "full"))
+  del params
+  pacing_cfg, loss_cfg = objective.method_configs("eppo")
+  cfg = steps.StepConfig(model=config, pacing=pacing_cfg, loss=loss_cfg, num_tasks=NUM_TASKS,
+                         num_groups=args.batch // GROUP, num_minibatches=args.minibatches)
+  tx = make_optimizer(LR, 0, 0.0, 1.0)
+  state = steps.TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable,
+                           opt_state=tx.init(trainable), pacing=pacing.init_pacing(NUM_TASKS))
+  state, frozen = parallel.replicate(state), parallel.replicate(frozen)
+  del trainable
+  batch = parallel.shard(make_batch(args.batch, args.seq, config.vocab_size))
+  update = jax.pmap(functools.partial(steps.train_step, cfg=cfg, tx=tx),
+                    axis_name=parallel.AXIS, donate_argnums=(0,))
+  times = []
+  for i in range(1 + args.steps):
+    keys = parallel.replicate(jax.random.PRNGKey(i))
+    start = time.perf_counter()
+    state, metrics = update(state, frozen, batch, keys)
+    jax.block_until_ready((state, metrics))
+    times.append(time.perf_counter() - start)
+  forwards = 1 + 3 * cfg.ppo_epochs  # Old-log-prob pass, then forward + backward per epoch.
+  flops = forwards * config.forward_flops_per_token(args.seq) * args.batch * args.seq
+  out = dict(mode=mode, compile_s=times[0] - float(np.median(times[1:])),
+             step_s=float(np.median(times[1:])), model_flops=flops)
+  stats = jax.local_devices()[0].memory_stats() or {}
+  out["peak_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30
+  return out
+
+
+def time_decode(config: ModelConfig, batch: int, args) -> dict:
+  """Seconds per decode step of a greedy rollout, and that step's bytes and FLOPs."""
+  params = init_params(config, jax.random.PRNGKey(0))
+  prompt = np.random.default_rng(0).integers(10, config.vocab_size, (batch, args.prompt_len))
+  compile_s, prefill_s, total_s = time_jax(params, config, jnp.asarray(prompt, jnp.int32),
+                                           args.new_tokens)
+  step_s = max(total_s - prefill_s, 1e-9) / max(args.new_tokens - 1, 1)
+  slots = args.prompt_len + args.new_tokens
+  cache_bytes = (2 * config.num_layers * batch * config.num_kv_heads * slots * config.head_dim
+                 * config.compute_dtype.itemsize)
+  return dict(batch=batch, compile_s=compile_s, step_s=step_s,
+              bytes=decode_weight_bytes(params, config) + cache_bytes,
+              flops=batch * config.forward_flops_per_token(slots))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(MODELS))
+  parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+  parser.add_argument("--batch", type=int, default=16, help="update: sequences per step")
+  parser.add_argument("--seq", type=int, default=1024, help="update: tokens per sequence")
+  parser.add_argument("--minibatches", type=int, default=2)
+  parser.add_argument("--steps", type=int, default=3, help="timed updates after the first")
+  parser.add_argument("--decode-batches", default="1,16,64,256",
+                      type=lambda s: [int(x) for x in s.split(",")])
+  parser.add_argument("--prompt-len", type=int, default=256)
+  parser.add_argument("--new-tokens", type=int, default=256)
+  parser.add_argument("--peak-tflops", type=float, help="override the datasheet peak")
+  parser.add_argument("--peak-gbps", type=float, help="override the datasheet bandwidth")
+  parser.add_argument("--json", default=os.environ.get("OUT", "") and
+                      os.path.join(os.environ["OUT"], "accelerator.json"))
+  args = parser.parse_args()
+
+  device = jax.local_devices()[0]
+  config = ModelConfig(**MODELS[args.model], dtype=args.dtype, param_dtype=args.dtype,
+                       max_position_embeddings=max(4096, args.seq))
+  sheet_flops, sheet_bw = datasheet_peaks(device)
+  peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else sheet_flops
+  peak_bw = args.peak_gbps * 1e9 if args.peak_gbps else sheet_bw
+  meas_flops, meas_bw = measured_peaks(config.compute_dtype)
+  print(f"jax {jax.__version__}, {device.platform} {device.device_kind!r}; {args.model} "
+        f"{config.num_params() / 1e6:.0f}M params, {args.dtype}")
+  sheet = (f"{peak_flops:.3g} FLOP/s, {peak_bw:.3g} B/s" if peak_flops and peak_bw else
+           "unknown device (fractions use the measured peaks)")
+  print(f"peak: datasheet {sheet}; measured (matmul, copy) {meas_flops:.3g} FLOP/s, "
+        f"{meas_bw:.3g} B/s")
+  peak_flops, peak_bw = peak_flops or meas_flops, peak_bw or meas_bw
+  report = dict(device=device.device_kind, model=args.model, dtype=args.dtype,
+                peak_flops=peak_flops, peak_bw=peak_bw, measured_flops=meas_flops,
+                measured_bw=meas_bw, update=[], decode=[])
+
+  print(f"\nupdate: B={args.batch} x T={args.seq}, {args.minibatches} minibatches, 1 epoch")
+  print(f"{'mode':>5} | {'compile s':>9} {'step s':>7} {'tok/s':>9} {'TFLOP/s':>8} "
+        f"{'MFU':>6} {'of meas.':>8} {'peak GiB':>8}")
+  for mode in ("full", "lora"):
+    row = time_update(config, mode, args)
+    achieved = row["model_flops"] / row["step_s"]
+    row.update(mfu=achieved / peak_flops, mfu_measured=achieved / meas_flops)
+    report["update"].append(row)
+    print(f"{mode:>5} | {row['compile_s']:9.1f} {row['step_s']:7.3f} "
+          f"{args.batch * args.seq / row['step_s']:9.0f} {achieved / 1e12:8.3f} "
+          f"{row['mfu']:6.1%} {row['mfu_measured']:8.1%} {row['peak_gib']:8.2f}", flush=True)
+
+  print(f"\ndecode: prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy")
+  print(f"{'batch':>5} | {'compile s':>9} {'ms/step':>8} {'tok/s':>9} {'GB/step':>8} "
+        f"{'bound':>7} {'roofline':>8} {'of meas.':>8}")
+  for b in args.decode_batches:
+    row = time_decode(config, b, args)
+    bound_s = max(row["bytes"] / peak_bw, row["flops"] / peak_flops)
+    bound_meas_s = max(row["bytes"] / meas_bw, row["flops"] / meas_flops)
+    kind = "memory" if row["bytes"] / peak_bw >= row["flops"] / peak_flops else "compute"
+    row.update(roofline=bound_s / row["step_s"], roofline_measured=bound_meas_s / row["step_s"],
+               bound=kind)
+    report["decode"].append(row)
+    print(f"{b:5d} | {row['compile_s']:9.1f} {row['step_s'] * 1e3:8.2f} "
+          f"{b / row['step_s']:9.0f} {row['bytes'] / 1e9:8.3f} {kind:>7} "
+          f"{row['roofline']:8.1%} {row['roofline_measured']:8.1%}", flush=True)
+
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(report, f, indent=1)
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+  main()
