@@ -63,10 +63,12 @@ def sequence_logprobs(params, model: ModelConfig, tokens_BxT, attention_mask_BxT
   return logp_BxT, entropy_BxT
 
 
-def _minibatches(batch: dict, order_M: jax.Array, num: int) -> dict:
-  """[b, ...] leaves -> [num, b / num, ...] in the order of `order_M`."""
-  return jax.tree_util.tree_map(
-      lambda x: x[order_M].reshape((num, x.shape[0] // num) + x.shape[1:]), batch)
+def _minibatches(batch: dict, order_M: Optional[jax.Array], num: int) -> dict:
+  """[b, ...] leaves -> [num, b / num, ...] in the order of `order_M` (None: as they are)."""
+  def split(x):
+    x = x if order_M is None else x[order_M]
+    return x.reshape((num, x.shape[0] // num) + x.shape[1:])
+  return jax.tree_util.tree_map(split, batch)
 
 
 def _finite(*trees) -> jax.Array:
@@ -92,7 +94,7 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
   # One minibatch at a time keeps the activation memory of the old-policy pass bounded.
   def score(p, mb):
     return sequence_logprobs(p, cfg.model, mb["tokens"], mb["attention_mask"], cfg.temperature)
-  in_order = _minibatches(batch, jnp.arange(b), cfg.num_minibatches)
+  in_order = _minibatches(batch, None, cfg.num_minibatches)
   old_logp, entropy = lax.map(lambda mb: score(params, mb), in_order)
   old_logp_BxT, entropy_BxT = (x.reshape((b,) + x.shape[2:]) for x in (old_logp, entropy))
   ref_logp_BxT = None
@@ -155,7 +157,7 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
   for epoch in range(cfg.ppo_epochs):
     # The same permutation on every device (same key), so minibatch i is a global minibatch.
     perm_key, loss_key = jax.random.split(rng_epochs[epoch])
-    order = jax.random.permutation(perm_key, b) if epoch else jnp.arange(b)
+    order = jax.random.permutation(perm_key, b) if epoch else None
     keys = jax.random.split(loss_key, cfg.num_minibatches)
     carry, metrics = lax.scan(update, carry, (_minibatches(data, order, cfg.num_minibatches), keys))
     per_update.append(metrics)
