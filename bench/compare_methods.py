@@ -108,8 +108,12 @@ def write_report(root: Path, runs: dict, tasks: list[str]) -> None:
           curves.append(dict(pts))
         steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
         if steps:
-          mean = np.array([np.mean([c[s] for c in curves]) for s in steps])
-          axes[row, col].plot(steps, mean, label=name)
+          values = np.array([[c[s] for c in curves] for s in steps])  # [steps, seeds]
+          mean, std = values.mean(1), values.std(1)
+          line, = axes[row, col].plot(steps, mean, label=name)
+          # The band is the spread over seeds (± 1 std), so a gap inside it is not a result.
+          axes[row, col].fill_between(steps, mean - std, mean + std, alpha=0.15,
+                                      color=line.get_color())
         axes[row, col].set_title(f"{task} {metric}")
         axes[row, col].set_xlabel("RL step")
   axes[0, 0].legend(fontsize=8)
