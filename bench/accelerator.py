@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from decode import decode_weight_bytes, time_jax
-from train_step import GROUP, LR, NUM_TASKS, make_batch
+from train_step import GROUP, LR, MODELS as CPU_MODELS, NUM_TASKS, make_batch
 
 from eppo_jax import lora, objective, pacing, parallel, steps
 from eppo_jax.models.config import LoraConfig, ModelConfig
@@ -42,8 +42,7 @@ from eppo_jax.models.transformer import init_params
 from eppo_jax.train import make_optimizer
 
 MODELS = {
-    "tiny": dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_layers=4,
-                 num_heads=4, num_kv_heads=2, head_dim=64, tie_word_embeddings=True),
+    **CPU_MODELS,  # "tiny" (the default preset's shape) and "100m", for CPU checks.
     "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
                          num_heads=14, num_kv_heads=2, head_dim=64, tie_word_embeddings=True,
                          attention_bias=True, architecture="Qwen2ForCausalLM"),
