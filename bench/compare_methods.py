@@ -1,4 +1,4 @@
-r"""EPPO vs baselines on the built-in multi-task suite: same SFT warm start, same compute, many seeds.
+r"""EPPO vs baselines on the built-in multi-task suite: one SFT warm start, same compute, N seeds.
 
 For each seed the SFT warm start runs once (`train.num_steps=0`); every method then resumes from a
 copy of that step-0 checkpoint, so methods differ only in the RL objective. Writes, under --root:
@@ -52,6 +52,9 @@ def _read(workdir: Path) -> list[dict]:
   return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
+CUT_KEYS = ("clip_frac_low", "clip_frac_high", "cov_selected_frac")
+
+
 def summarize(records: list[dict], tasks: list[str]) -> dict:
   """Final/best mean eval success, worst task, crossovers and spikes of one RL run."""
   evals = [r for r in records if r.get("eval_success") is not None and r["step"] >= 0]
@@ -66,6 +69,9 @@ def summarize(records: list[dict], tasks: list[str]) -> dict:
       "crossovers": int(sum(r.get("entropy_crossovers") or 0 for r in rl)),
       "spikes": int(sum(r.get("num_entropy_spikes") or 0 for r in rl)),
       "train_success_last5": float(np.mean([r["success"] for r in rl[-5:]])) if rl else None,
+      # Tokens whose gradient the objective cuts: ratio-clipped, or selected by Clip-Cov.
+      "cut_frac": (float(np.mean([sum(r.get(k) or 0 for k in CUT_KEYS) for r in rl]))
+                   if rl else None),
   }
 
 
@@ -78,19 +84,31 @@ def write_report(root: Path, runs: dict, tasks: list[str]) -> None:
   """results.md with a mean ± std table over seeds and curves.png."""
   lines = [f"Command: `python bench/compare_methods.py {' '.join(sys.argv[1:])}`", "",
            "| method | seeds | start (SFT) | final success | best success | worst task (final) "
-           "| crossovers | spikes |", "|---|---|---|---|---|---|---|---|"]
+           "| train success (last 5 steps) | crossovers | spikes |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for name, per_seed in runs.items():
     s = [v["summary"] for v in per_seed.values()]
     lines.append(f"| {name} | {len(s)} | {_mean_std(x['start_success'] for x in s)} | "
                  f"{_mean_std(x['final_success'] for x in s)} | "
                  f"{_mean_std(x['best_success'] for x in s)} | "
                  f"{_mean_std(x['worst_task_final'] for x in s)} | "
+                 f"{_mean_std(x['train_success_last5'] for x in s)} | "
                  f"{_mean_std(x['crossovers'] for x in s)} | {_mean_std(x['spikes'] for x in s)} |")
   lines += ["", "Final eval success per task (mean ± std over seeds):", "",
             "| method | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
   for name, per_seed in runs.items():
     cells = [_mean_std(v["summary"]["per_task_final"][t] for v in per_seed.values())
              for t in tasks]
+    lines.append(f"| {name} | " + " | ".join(cells) + " |")
+  seeds = sorted({seed for per_seed in runs.values() for seed in per_seed})
+  lines += ["", "Per seed: final eval success (tokens clipped or Clip-Cov-selected, mean over the "
+            "RL steps):", "",
+            "| method | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+            "|---|" + "---|" * len(seeds)]
+  for name, per_seed in runs.items():
+    cells = [f"{per_seed[s]['summary']['final_success']:.3f} "
+             f"({per_seed[s]['summary']['cut_frac']:.1%})" if s in per_seed else "-"
+             for s in seeds]
     lines.append(f"| {name} | " + " | ".join(cells) + " |")
   (root / "results.md").write_text("\n".join(lines) + "\n")
 
