@@ -66,6 +66,11 @@ def summarize(records: list[dict], tasks: list[str]) -> dict:
       "best_success": max(r["eval_success"] for r in evals),
       "worst_task_final": min(per_task_final),
       "per_task_final": dict(zip(tasks, per_task_final)),
+      # Token entropy of the sampling policy per task, mean of the last 3 RL steps.
+      "entropy_start": {t: rl[0].get(f"task/{t}/entropy") for t in tasks} if rl else None,
+      "entropy_end": {t: float(np.mean([r[f"task/{t}/entropy"] for r in rl[-3:]
+                                        if r.get(f"task/{t}/entropy") is not None]))
+                      for t in tasks} if rl else None,
       "crossovers": int(sum(r.get("entropy_crossovers") or 0 for r in rl)),
       "spikes": int(sum(r.get("num_entropy_spikes") or 0 for r in rl)),
       "train_success_last5": float(np.mean([r["success"] for r in rl[-5:]])) if rl else None,
@@ -99,6 +104,14 @@ def write_report(root: Path, runs: dict, tasks: list[str]) -> None:
   for name, per_seed in runs.items():
     cells = [_mean_std(v["summary"]["per_task_final"][t] for v in per_seed.values())
              for t in tasks]
+    lines.append(f"| {name} | " + " | ".join(cells) + " |")
+  lines += ["", "Token entropy per task at the end (mean of the last 3 RL steps; mean ± std over "
+            "seeds):", "", "| method | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
+  first = next(iter(runs.values()))  # Step 1 samples from the shared SFT policy.
+  cells = [_mean_std(v["summary"]["entropy_start"][t] for v in first.values()) for t in tasks]
+  lines.append("| (SFT policy, RL step 1) | " + " | ".join(cells) + " |")
+  for name, per_seed in runs.items():
+    cells = [_mean_std(v["summary"]["entropy_end"][t] for v in per_seed.values()) for t in tasks]
     lines.append(f"| {name} | " + " | ".join(cells) + " |")
   seeds = sorted({seed for per_seed in runs.values() for seed in per_seed})
   lines += ["", "Per seed: final eval success (tokens clipped or Clip-Cov-selected, mean over the "
