@@ -143,8 +143,8 @@ def write_report(root: Path, runs: dict, tasks: list[str]) -> None:
           mean, std = values.mean(1), values.std(1)
           line, = axes[row, col].plot(steps, mean, label=name)
           # The band is the spread over seeds (± 1 std), so a gap inside it is not a result.
-          axes[row, col].fill_between(steps, mean - std, mean + std, alpha=0.15,
-                                      color=line.get_color())
+          axes[row, col].fill_between(steps, np.maximum(mean - std, 0.0), mean + std, alpha=0.15,
+                                      color=line.get_color())  # Both metrics are >= 0.
         axes[row, col].set_title(f"{task} {metric}")
         axes[row, col].set_xlabel("RL step")
   axes[0, 0].legend(fontsize=8)
