@@ -56,7 +56,7 @@ CUT_KEYS = ("clip_frac_low", "clip_frac_high", "cov_selected_frac")
 
 
 def summarize(records: list[dict], tasks: list[str]) -> dict:
-  """Final/best mean eval success, worst task, crossovers and spikes of one RL run."""
+  """Eval success (start, final, best, worst task), entropies, crossovers, spikes of one run."""
   evals = [r for r in records if r.get("eval_success") is not None and r["step"] >= 0]
   rl = [r for r in records if r["step"] > 0]
   per_task_final = [evals[-1].get(f"task/{t}/eval_success") for t in tasks]
@@ -66,7 +66,7 @@ def summarize(records: list[dict], tasks: list[str]) -> dict:
       "best_success": max(r["eval_success"] for r in evals),
       "worst_task_final": min(per_task_final),
       "per_task_final": dict(zip(tasks, per_task_final)),
-      # Token entropy of the sampling policy per task, mean of the last 3 RL steps.
+      # Token entropy of the sampling policy per task: first RL step, and mean of the last 3.
       "entropy_start": {t: rl[0].get(f"task/{t}/entropy") for t in tasks} if rl else None,
       "entropy_end": {t: float(np.mean([r[f"task/{t}/entropy"] for r in rl[-3:]
                                         if r.get(f"task/{t}/entropy") is not None]))
