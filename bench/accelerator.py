@@ -9,7 +9,8 @@ Weights are random (the shape is what costs time), so nothing is downloaded.
 
 * Update: `steps.train_step` (pmapped on one device, donated state, EPPO objective, one PPO epoch of
   `--minibatches` minibatches) on a B x T batch, full fine-tuning and LoRA. Its model FLOPs are one
-  forward (the old-log-prob pass) plus forward + backward (3 forwards) per epoch, counted by
+  forward (the old-log-prob pass) plus forward + backward per epoch (3 forwards for full
+  fine-tuning; 2 for LoRA, whose backward needs no weight gradients of the base), counted by
   `ModelConfig.forward_flops_per_token`. MFU = model FLOPs / step time / peak.
 * Decode: greedy `sampling.rollout` at several batch sizes. A decode step reads every weight (the
   untied embedding table aside) and the whole K/V cache (attention spans all slots), and does
@@ -108,8 +109,11 @@ def time_update(config: ModelConfig, mode: str, args) -> dict:
     state, metrics = update(state, frozen, batch, keys)
     jax.block_until_ready((state, metrics))
     times.append(time.perf_counter() - start)
-  forwards = 1 + 3 * cfg.ppo_epochs  # Old-log-prob pass, then forward + backward per epoch.
-  flops = forwards * config.forward_flops_per_token(args.seq) * args.batch * args.seq
+  # The old-log-prob pass, then forward + backward per epoch. The backward costs 2 forwards with
+  # weight gradients (full) and 1 without (LoRA: input gradients only; the adapters are tiny).
+  forwards = 1 + (3 if mode == "full" else 2) * cfg.ppo_epochs
+  scored = args.seq - 1  # Teacher forcing scores tokens 1..T-1 from positions 0..T-2.
+  flops = forwards * config.forward_flops_per_token(scored) * args.batch * scored
   out = dict(mode=mode, compile_s=times[0] - float(np.median(times[1:])),
              step_s=float(np.median(times[1:])), model_flops=flops)
   stats = jax.local_devices()[0].memory_stats() or {}
