@@ -65,8 +65,14 @@ def datasheet_peaks(device) -> tuple[float | None, float | None]:
   return None, None
 
 
-def measured_peaks(dtype, n: int = 4096, copy_bytes: int = 1 << 28) -> tuple[float, float]:
-  """(FLOP/s of an n x n x n matmul, bytes/s of a copy with read + write counted), best of 5."""
+def measured_peaks(dtype) -> tuple[float, float]:
+  """(FLOP/s of an n x n x n matmul, bytes/s of a copy with read + write counted), best of 5.
+
+  Sized so that one call takes about a millisecond or more on a GPU/TPU, where the launch
+  overhead of a smaller call would show up as a lower peak.
+  """
+  on_cpu = jax.default_backend() == "cpu"
+  n, copy_bytes = (2048, 1 << 28) if on_cpu else (8192, 1 << 32)
   def best(fn, x):
     times = []
     for _ in range(6):  # The first call compiles.
