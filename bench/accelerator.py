@@ -88,23 +88,21 @@ def measured_peaks(dtype) -> tuple[float, float]:
   return flops, bandwidth
 
 
-def time_update(config: ModelConfig, mode: str, args) -> dict:
+def time_update(params, config: ModelConfig, mode: str, args) -> dict:
   """Median seconds of `steps.train_step` after one compiling step, and its model FLOPs."""
-  params = init_params(config, jax.random.PRNGKey(0))
   if mode == "lora":
     config, params = lora.add_lora(params, config, LoraConfig(rank=16, alpha=32.0),
                                    jax.random.PRNGKey(1))
   trainable, frozen = lora.partition(
       params, lora.trainable_mask(params, full_finetune=mode == "full"))
-  del params
   pacing_cfg, loss_cfg = objective.method_configs("eppo")
   cfg = steps.StepConfig(model=config, pacing=pacing_cfg, loss=loss_cfg, num_tasks=NUM_TASKS,
                          num_groups=args.batch // GROUP, num_minibatches=args.minibatches)
   tx = make_optimizer(LR, 0, 0.0, 1.0)
   state = steps.TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable,
                            opt_state=tx.init(trainable), pacing=pacing.init_pacing(NUM_TASKS))
+  # Replicas are new buffers, so donating the state leaves the caller's params intact.
   state, frozen = parallel.replicate(state), parallel.replicate(frozen)
-  del trainable
   batch = parallel.shard(make_batch(args.batch, args.seq, config.vocab_size))
   update = jax.pmap(functools.partial(steps.train_step, cfg=cfg, tx=tx),
                     axis_name=parallel.AXIS, donate_argnums=(0,))
@@ -127,9 +125,8 @@ def time_update(config: ModelConfig, mode: str, args) -> dict:
   return out
 
 
-def time_decode(config: ModelConfig, batch: int, args) -> dict:
+def time_decode(params, config: ModelConfig, batch: int, args) -> dict:
   """Seconds per decode step of a greedy rollout, and that step's bytes and FLOPs."""
-  params = init_params(config, jax.random.PRNGKey(0))
   prompt = np.random.default_rng(0).integers(10, config.vocab_size, (batch, args.prompt_len))
   compile_s, prefill_s, total_s = time_jax(params, config, jnp.asarray(prompt, jnp.int32),
                                            args.new_tokens)
@@ -167,6 +164,7 @@ def main():
   peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else sheet_flops
   peak_bw = args.peak_gbps * 1e9 if args.peak_gbps else sheet_bw
   meas_flops, meas_bw = measured_peaks(config.compute_dtype)
+  params = init_params(config, jax.random.PRNGKey(0))  # Random: the shape is what costs time.
   print(f"jax {jax.__version__}, {device.platform} {device.device_kind!r}; {args.model} "
         f"{config.num_params() / 1e6:.0f}M params, {args.dtype}")
   sheet = (f"{peak_flops:.3g} FLOP/s, {peak_bw:.3g} B/s" if peak_flops and peak_bw else
@@ -182,7 +180,7 @@ def main():
   print(f"{'mode':>5} | {'compile s':>9} {'step s':>7} {'tok/s':>9} {'TFLOP/s':>8} "
         f"{'MFU':>6} {'of meas.':>8} {'peak GiB':>8}")
   for mode in ("full", "lora"):
-    row = time_update(config, mode, args)
+    row = time_update(params, config, mode, args)
     achieved = row["model_flops"] / row["step_s"]
     row.update(mfu=achieved / peak_flops, mfu_measured=achieved / meas_flops)
     report["update"].append(row)
@@ -194,7 +192,7 @@ def main():
   print(f"{'batch':>5} | {'compile s':>9} {'ms/step':>8} {'tok/s':>9} {'GB/step':>8} "
         f"{'bound':>7} {'roofline':>8} {'of meas.':>8}")
   for b in args.decode_batches:
-    row = time_decode(config, b, args)
+    row = time_decode(params, config, b, args)
     bound_s = max(row["bytes"] / peak_bw, row["flops"] / peak_flops)
     bound_meas_s = max(row["bytes"] / meas_bw, row["flops"] / meas_flops)
     kind = "memory" if row["bytes"] / peak_bw >= row["flops"] / peak_flops else "compute"
