@@ -19,13 +19,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import traceback
-from concurrent import futures
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from eppo_jax.envs.base import format_action, parse_action
+from eppo_jax.envs.pool import EnvPool
 from eppo_jax.sampling import left_pad
 
 _SENTINEL = "\u2063EPPO_REPLY\u2063"  # Marks where the reply sits when rendering the template.
@@ -132,40 +131,28 @@ class ChatFormat:
     return self._encode(format_action(action)) + [self.stop_token_ids[0]]
 
 
-def _safe_step(env, action):
-  """env.step that turns any exception into a failed, finished step."""
-  try:
-    return env.step(action), None
-  except Exception:  # pylint: disable=broad-except
-    return None, traceback.format_exc()
-
-
 class EnvStepper:
-  """Steps a list of environments, in a thread pool when `workers > 0`, with a per-step timeout.
+  """How the episode loop calls its environments: through an `envs.EnvPool` of `workers` threads
+  with a per-call timeout, or inline when `workers == 0`.
 
-  A step that raises or times out ends that episode as a failure; the rest of the batch goes on.
-  Each distinct failure is logged once with its traceback.
+  A reset or step that raises or times out ends that episode as a failure; the rest of the batch
+  goes on. Each distinct failure is logged once with its traceback.
   """
 
   def __init__(self, workers: int = 0, timeout_s: float = 30.0):
-    self._pool = futures.ThreadPoolExecutor(workers) if workers > 0 else None
-    self._timeout = timeout_s
+    self.workers, self.timeout_s = workers, timeout_s
     self._seen: set[str] = set()
-    self.seconds = 0.0  # Wall time spent stepping, for the trainer's time split.
+    self.seconds = 0.0  # Wall time spent in environment calls, for the trainer's time split.
 
-  def step(self, envs, actions):
+  def pool(self, envs: Sequence) -> EnvPool:
+    return EnvPool(envs, num_workers=self.workers, timeout_s=self.timeout_s)
+
+  def call(self, fn: Callable, *args) -> list:
+    """`fn(*args)` (an EnvPool method), timed, with its failures logged once each."""
     start = time.perf_counter()
-    if self._pool is None:
-      results = [_safe_step(env, a) for env, a in zip(envs, actions)]
-    else:
-      pending = [self._pool.submit(_safe_step, env, a) for env, a in zip(envs, actions)]
-      results = []
-      for env, future in zip(envs, pending):
-        try:
-          results.append(future.result(timeout=self._timeout))
-        except futures.TimeoutError:
-          results.append((None, f"{env!r}: step timed out after {self._timeout}s"))
-    for _, error in results:
+    results = fn(*args)
+    for result in results:
+      error = result[-1].get("error") if result[-1].get("failed") else None
       if error is not None and error.splitlines()[-1] not in self._seen:
         self._seen.add(error.splitlines()[-1])
         log.warning("environment failure (episode ends as failed; logged once):\n%s", error)
@@ -173,8 +160,7 @@ class EnvStepper:
     return results
 
   def close(self):
-    if self._pool is not None:
-      self._pool.shutdown(wait=False, cancel_futures=True)
+    """Nothing to release: each collection's pool is closed with its environments."""
 
 
 def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str], object],
@@ -189,22 +175,20 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
   stepper = stepper or EnvStepper()
   episodes = [(i, inst) for i, inst in enumerate(instances) for _ in range(group_size)]
   n = len(episodes)
-  envs = [make_env(inst.spec) for _, inst in episodes]
+  pool = stepper.pool([make_env(inst.spec) for _, inst in episodes])
   conv = [[] for _ in range(n)]  # Token ids of each conversation, in order.
   conv_mask = [[] for _ in range(n)]  # True on generated tokens.
   pending = []  # Tokens each conversation still has to show the policy.
   rewards, turns, invalid = np.zeros(n, np.float32), np.zeros(n, np.int32), np.zeros(n, np.int32)
   success, failed, truncated = np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool)
   active = np.ones(n, bool)
-  for b, (_, inst) in enumerate(episodes):
-    try:
-      observation, _ = envs[b].reset(inst.seed)
-      pending.append(chat.prompt(chat.system(envs[b]), observation))
-    except Exception:  # pylint: disable=broad-except
-      log.warning("reset failed for %s seed %d:\n%s", inst.spec, inst.seed,
-                      traceback.format_exc())
+  resets = stepper.call(pool.reset, [inst.seed for _, inst in episodes])
+  for b, (observation, info) in enumerate(resets):
+    if info.get("failed"):
       pending.append([])
       failed[b], active[b] = True, False
+    else:
+      pending.append(chat.prompt(chat.system(pool.envs[b]), observation))
 
   state, slots = None, 0
   for _ in range(max_turns):
@@ -228,12 +212,11 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
       conv_mask[b] += [False] * len(pending[b]) + [True] * len(generated)
       actions.append(parse_action(chat.tokenizer.decode(generated, skip_special_tokens=True)))
       turns[b] += 1
-    results = stepper.step([envs[b] for b in stepping], actions)
-    for b, (result, error) in zip(stepping, results):
-      if error is not None:
+    results = stepper.call(pool.step, actions, stepping)
+    for b, (observation, reward, done, info) in zip(stepping, results):
+      if info.get("failed"):
         failed[b], active[b] = True, False
         continue
-      observation, reward, done, info = result
       rewards[b] += reward
       invalid[b] += int(info.get("invalid_action", False))
       success[b] = bool(info.get("won", False))
@@ -244,11 +227,7 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
       else:
         pending[b] = chat.next_turn(observation, stopped)
   truncated |= active  # Still playing after max_turns.
-  for env in envs:
-    try:
-      env.close()
-    except Exception:  # pylint: disable=broad-except
-      pass
+  pool.close()
 
   width = bucket(max(1, max(len(c) for c in conv)), length_multiple)
   tokens = np.full((n, width), pad_id, np.int32)

@@ -26,14 +26,18 @@ class EnvPool:
   `("", 0.0, True, failure_info(...))` for `step`, `("", failure_info(...))` for `reset`, so the
   batch goes on. Python cannot kill a thread: a timed-out env stays "busy" (further calls on it
   fail fast) until its call returns, and a call that never returns also delays interpreter exit.
+
+  `num_workers=0` runs the calls one after another in the caller's thread, with the same failure
+  markers but no timeout: the cheapest way to step fast games (the grid games, Countdown).
   """
 
   def __init__(self, envs: Sequence[TextEnv], num_workers: int | None = None,
                timeout_s: float = 60.0):
     self.envs = list(envs)
     self.timeout_s = float(timeout_s)
-    self.num_workers = num_workers or max(1, len(self.envs))
-    self._executor = cf.ThreadPoolExecutor(self.num_workers, thread_name_prefix="env")
+    self.num_workers = max(1, len(self.envs)) if num_workers is None else num_workers
+    self._executor = (cf.ThreadPoolExecutor(self.num_workers, thread_name_prefix="env")
+                      if self.num_workers else None)
     self._busy: set[int] = set()
     self._lock = threading.Lock()
     self.num_failures = 0
@@ -63,6 +67,8 @@ class EnvPool:
     return self.map(lambda env: getattr(env, method)(), indices, default)
 
   def _run(self, calls: list[tuple[int, Callable]], on_failure: Callable[[str], Any]) -> list:
+    if self._executor is None:
+      return [self._inline(fn, self.envs[i], on_failure) for i, fn in calls]
     results: list[Any] = [None] * len(calls)
     started: dict[int, float] = {}  # Position in `calls` -> start time, set by the worker thread.
     pending: dict[cf.Future, int] = {}
@@ -99,6 +105,12 @@ class EnvPool:
           results[pos] = self._fail(on_failure, "never started: all workers are stuck")
     return results
 
+  def _inline(self, fn: Callable, env: TextEnv, on_failure: Callable[[str], Any]) -> Any:
+    try:
+      return fn(env)
+    except Exception:  # The marker carries the traceback; the batch goes on.
+      return self._fail(on_failure, traceback.format_exc())
+
   @staticmethod
   def _timed(started: dict, pos: int, fn: Callable, env: TextEnv) -> Any:
     started[pos] = time.monotonic()
@@ -119,7 +131,8 @@ class EnvPool:
 
   def close(self) -> None:
     """Stop the workers (does not wait for timed-out calls) and close the envs."""
-    self._executor.shutdown(wait=False, cancel_futures=True)
+    if self._executor is not None:
+      self._executor.shutdown(wait=False, cancel_futures=True)
     for env in self.envs:
       try:
         env.close()
