@@ -159,9 +159,6 @@ class EnvStepper:
     self.seconds += time.perf_counter() - start
     return results
 
-  def close(self):
-    """Nothing to release: each collection's pool is closed with its environments."""
-
 
 def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str], object],
                      instances: Sequence[Instance], group_size: int, *, max_turns: int,

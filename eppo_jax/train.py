@@ -382,7 +382,6 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
     params = jax.device_get(lora.combine(final.trainable, parallel.unreplicate(run.frozen)))
     out = hf.export_hf(params, model_cfg, workdir / "hf_export", tokenizer)
     log.info("exported the final policy to %s", out)
-  run.stepper.close()
   ckpt.close()
   if main:
     (workdir / "final_metrics.json").write_text(json.dumps(record, indent=1))
