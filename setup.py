@@ -5,11 +5,12 @@ from setuptools import find_packages, setup
 setup(
     name="eppo_jax",
     version="0.1.0",
+    license="Apache-2.0",
     description="Multi-task agentic RL for LLMs with Entropy Pacing Policy Optimization, in JAX/Flax",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["eppo_jax", "eppo_jax.*"]),
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     install_requires=[
         "jax>=0.6.0",
         "flax>=0.10.4",
@@ -17,6 +18,7 @@ setup(
         "orbax-checkpoint>=0.11.0",
         "transformers>=4.51.0",
         "tokenizers>=0.21.0",
+        "jinja2>=3.1.0",  # transformers' apply_chat_template renders chat templates with it.
         "safetensors>=0.5.0",
         "huggingface-hub>=0.30.0",
         "numpy>=1.26",
@@ -37,7 +39,9 @@ setup(
             "nbformat>=5.10.0",
             "ipykernel>=6.29.0",
             "textworld>=1.6.0",
+            "wandb>=0.19.0",
         ],
         "textworld": ["textworld>=1.6.0"],
+        "wandb": ["wandb>=0.19.0"],
     },
 )

@@ -36,6 +36,12 @@ def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.method = "eppo"  # eppo | grpo | dapo | clip_cov | kl_cov
+  # Group-relative advantages: "grpo" ((R - mean) / (std + eps), unbiased std), "drgrpo" (R - mean,
+  # no std: Dr. GRPO) or "rloo" (leave-one-out baseline).
+  c.advantage_estimator = "grpo"
+  # Divide by the std of the task's rewards (all its groups in the batch) instead of the group's:
+  # comparable advantage scales across tasks whose rewards differ in scale. "grpo" only.
+  c.per_task_std = False
 
   c.model = ml_collections.ConfigDict()
   c.model.source = "tiny"  # "tiny" builds the embedded model; else an HF directory or hub id.

@@ -51,6 +51,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.method={config.method!r} is unknown; valid: {objective.METHODS}")
   objective.method_configs(config.method, **dict(config.pacing.overrides),
                            **dict(config.loss.overrides))
+  if config.advantage_estimator not in objective.ADVANTAGE_ESTIMATORS:
+    raise ValueError(f"config.advantage_estimator={config.advantage_estimator!r} is unknown; "
+                     f"valid: {tuple(objective.ADVANTAGE_ESTIMATORS)}")
+  if config.per_task_std and config.advantage_estimator != "grpo":
+    raise ValueError("config.per_task_std only changes advantage_estimator='grpo' (the others do "
+                     f"not divide by a std); got {config.advantage_estimator!r}")
   if config.tasks.system_prompt not in agent.SYSTEM_PROMPTS:
     raise ValueError(f"config.tasks.system_prompt={config.tasks.system_prompt!r}; valid: "
                      f"{agent.SYSTEM_PROMPTS}")
@@ -127,6 +133,17 @@ def load_model(config, workdir: Path):
     lora_cfg = LoraConfig(rank=m.lora_rank, alpha=m.lora_alpha, targets=tuple(m.lora_targets))
     model_cfg, params = lora.add_lora(params, model_cfg, lora_cfg, named_keys(config.seed)["lora"])
   return model_cfg, params, pre.tokenizer
+
+
+def step_config(config: ml_collections.ConfigDict, model_cfg) -> steps.StepConfig:
+  """The static description of one RL update that `config` asks for."""
+  pacing_cfg, loss_cfg = objective.method_configs(
+      config.method, **dict(config.pacing.overrides), **dict(config.loss.overrides))
+  return steps.StepConfig(
+      model=model_cfg, pacing=pacing_cfg, loss=loss_cfg, num_tasks=len(config.tasks.specs),
+      num_groups=config.rollout.instances_per_step, temperature=config.rollout.temperature,
+      ppo_epochs=config.optim.ppo_epochs, num_minibatches=config.optim.num_minibatches,
+      advantage_estimator=config.advantage_estimator, per_task_std=config.per_task_std)
 
 
 def make_optimizer(lr: float, warmup: int, weight_decay: float, grad_clip: float):
@@ -282,12 +299,7 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
            f"{n_adapt / 1e6:.2f}M (LoRA)" if n_adapt else "all", jax.device_count(),
            jax.process_count())
 
-  pacing_cfg, loss_cfg = objective.method_configs(
-      config.method, **dict(config.pacing.overrides), **dict(config.loss.overrides))
-  step_cfg = steps.StepConfig(model=model_cfg, pacing=pacing_cfg, loss=loss_cfg,
-                              num_tasks=len(specs), num_groups=r.instances_per_step,
-                              temperature=r.temperature, ppo_epochs=config.optim.ppo_epochs,
-                              num_minibatches=config.optim.num_minibatches)
+  step_cfg = step_config(config, model_cfg)
   o = config.optim
   tx = make_optimizer(o.learning_rate, o.warmup_steps, o.weight_decay, o.grad_clip)
   state = steps.TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable,

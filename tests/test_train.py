@@ -226,6 +226,45 @@ def test_nan_reward_skips_the_update_bit_for_bit():
   assert_trees_equal(new.opt_state, warm.opt_state)
 
 
+def _numpy_advantages(rewards, group_ids, task_ids, estimator, per_task_std, eps=1e-6):
+  """Group-relative advantages from their textbook definitions, one group at a time."""
+  adv = np.zeros_like(rewards, np.float64)
+  for g in np.unique(group_ids):
+    rows = group_ids == g
+    r = rewards[rows].astype(np.float64)
+    if len(r) < 2 or r.max() == r.min():
+      continue
+    if estimator == "rloo":  # Each episode against the mean of the others.
+      adv[rows] = [r[i] - np.delete(r, i).mean() for i in range(len(r))]
+    elif estimator == "drgrpo":
+      adv[rows] = r - r.mean()
+    else:
+      scale_rows = task_ids == task_ids[rows][0] if per_task_std else rows
+      adv[rows] = (r - r.mean()) / (rewards[scale_rows].astype(np.float64).std(ddof=1) + eps)
+  return adv
+
+
+@pytest.mark.parametrize("estimator, per_task_std",
+                         [("grpo", False), ("grpo", True), ("drgrpo", False), ("rloo", False)])
+def test_config_advantage_estimator_reaches_the_update(tmp_path, estimator, per_task_std):
+  """`config.advantage_estimator` / `config.per_task_std` change the advantages train_step uses."""
+  config = smoke_config(tmp_path, **{"advantage_estimator": estimator,
+                                     "per_task_std": per_task_std,
+                                     "rollout.instances_per_step": B // G, "rollout.group_size": G})
+  train.validate(config)
+  cfg = train.step_config(config, MODEL)
+  assert (cfg.advantage_estimator, cfg.per_task_std) == (estimator, per_task_std)
+  tx = train.make_optimizer(3e-3, 0, 0.0, 1.0)
+  fn = jax.pmap(functools.partial(steps.train_step, cfg=cfg, tx=tx), axis_name="data",
+                devices=jax.devices()[:1])
+  batch = _batch(0)
+  _, metrics = fn(_replicate(_initial_state(tx), 1), {}, _layout(batch, 1, cfg.num_minibatches),
+                  _replicate(jax.random.PRNGKey(1), 1))
+  expected = _numpy_advantages(batch["rewards"], batch["group_ids"], batch["task_ids"], estimator,
+                               per_task_std)
+  np.testing.assert_allclose(metrics["advantage_abs_mean"][0], np.abs(expected).mean(), rtol=1e-5)
+
+
 class _NanLake(FrozenLake):
   """FrozenLake whose every step pays a NaN reward (a broken reward function)."""
 
@@ -274,6 +313,8 @@ jax.monitoring.register_event_duration_secs_listener(
     ({"tasks.specs": ("sokoban:impossible",)}, "config.tasks.specs"),
     ({"rollout.group_size": 1, "rollout.instances_per_step": 4}, "config.rollout.group_size"),
     ({"tasks.weights": (1.0, 2.0)}, "config.tasks.weights"),
+    ({"advantage_estimator": "ppo"}, "config.advantage_estimator"),
+    ({"advantage_estimator": "rloo", "per_task_std": True}, "config.per_task_std"),
 ])
 def test_bad_config_fails_before_compiling(tmp_path, overrides, field):
   """A bad config raises ValueError naming the field, before any model is built or compiled."""
