@@ -114,6 +114,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.export_hf = True  # Write the final policy as an HF directory (LoRA merged).
   c.train.tensorboard = True
   c.train.plots = True
+  # Weights & Biases project ("" = off; needs `pip install 'eppo_jax[wandb]'`). Same metric names as
+  # TensorBoard; the run is named after the workdir and resumed with it. WANDB_MODE=offline for no
+  # network.
+  c.train.wandb_project = ""
 
   c.distributed = ml_collections.ConfigDict()
   # "auto": initialise jax.distributed when the environment describes a multi-host job

@@ -1,5 +1,11 @@
 """eppo_jax: multi-task agentic RL of LLMs with Entropy Pacing Policy Optimization, in JAX."""
 
+import os as _os
+
+# transformers serves only configs, tokenizers and chat templates here; without PyTorch it warns on
+# import that its models are unavailable, which is expected and would only confuse a user.
+_os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 from eppo_jax import lora
 from eppo_jax.models.config import LoraConfig, ModelConfig
 from eppo_jax.models.hf import Pretrained, export_hf, load_pretrained

@@ -1,10 +1,13 @@
-"""Run logs: JSONL (the source of truth), TensorBoard, a progress bar, and per-task PNG plots."""
+"""Run logs: JSONL (the source of truth), TensorBoard, optional Weights & Biases, a progress bar,
+and per-task PNG plots."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import time
+import uuid
 from pathlib import Path
 from typing import Optional
 
@@ -14,6 +17,15 @@ import numpy as np
 PLOTTED = (("entropy", "token entropy (nats)"), ("eps_low", "clip bound ε_low"),
            ("eps_high", "clip bound ε_high"), ("success", "train success"),
            ("eval_success", "eval success (greedy)"), ("clip_frac", "clip fraction"))
+
+
+def chart_name(key: str) -> str:
+  """A record key as TensorBoard and W&B show it.
+
+  Characters other than letters, digits and "_-/." (the ':' of a task spec) become '_', the rule
+  TensorBoard applies to tags, so both dashboards show one name.
+  """
+  return re.sub(r"[^-/\w.]", "_", key)
 
 
 def _scalar(value):
@@ -39,14 +51,16 @@ class MetricsLogger:
   """
 
   def __init__(self, workdir, task_names, total_steps: int, *, tensorboard: bool = True,
-               plots: bool = True, write: bool = True, history: Optional[list] = None):
+               plots: bool = True, write: bool = True, history: Optional[list] = None,
+               wandb_project: str = "", wandb_config: Optional[dict] = None):
     self.workdir = Path(workdir)
     self.task_names = list(task_names)
     self.history = list(history or [])
     self._plots = plots and write
     self._write = write
     self._tb = None
-    self._bar = None
+    self._bar = None  # The live tqdm bar and the phase it counts ("sft" or "rl").
+    self._bar_phase = None
     self._total = total_steps
     if write:
       self.workdir.mkdir(parents=True, exist_ok=True)
@@ -57,6 +71,8 @@ class MetricsLogger:
       if tensorboard:
         from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
         self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
+    self._wandb = _wandb_run(self.workdir, wandb_project, wandb_config) if (
+        write and wandb_project) else None
 
   def log(self, step: int, scalars: dict, per_task: Optional[dict] = None) -> dict:
     record = flatten(step, scalars, per_task or {}, self.task_names)
@@ -68,17 +84,25 @@ class MetricsLogger:
       if self._tb is not None:
         for key, value in record.items():
           if key not in ("step", "time") and value is not None:
-            self._tb.add_scalar(key, value, step)
+            self._tb.add_scalar(chart_name(key), value, step)
+      if self._wandb is not None:
+        self._wandb.log({chart_name(k): v for k, v in record.items()
+                         if k != "time" and v is not None})
     return record
 
-  def progress(self, step: int, summary: str) -> None:
-    """A tqdm bar with ETA; `summary` is a short live text such as per-task success."""
+  def progress(self, step: int, summary: str, phase: str = "rl",
+               total: Optional[int] = None) -> None:
+    """A tqdm bar with ETA per phase ("sft", "rl"; `total` defaults to the RL steps); `summary`
+    is a short live text such as the loss or per-task success."""
     if not self._write:
       return
-    if self._bar is None:
+    if self._bar_phase != phase:
+      if self._bar is not None:
+        self._bar.close()
       from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
       # Starts at this step: the ETA then counts only steps timed in this process.
-      self._bar = tqdm(total=self._total, initial=step, desc="rl", dynamic_ncols=True)
+      self._bar = tqdm(total=total or self._total, initial=step, desc=phase, dynamic_ncols=True)
+      self._bar_phase = phase
     else:
       self._bar.update(step - self._bar.n)
     self._bar.set_postfix_str(summary, refresh=True)
@@ -121,3 +145,22 @@ class MetricsLogger:
       self._jsonl.close()
       if self._tb is not None:
         self._tb.close()
+      if self._wandb is not None:
+        self._wandb.finish()
+
+
+def _wandb_run(workdir: Path, project: str, config: Optional[dict]):
+  """A W&B run for this workdir: a rerun that resumes the workdir continues the same W&B run.
+
+  Records carry their own "step" (negative during SFT), used as every chart's x-axis; W&B's own
+  step only counts calls. `WANDB_MODE=offline` keeps everything local (`wandb sync` later).
+  """
+  import wandb  # pylint: disable=g-import-not-at-top
+  id_file = workdir / "wandb_run_id"
+  run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+  id_file.write_text(run_id)
+  run = wandb.init(project=project, name=workdir.name, id=run_id, resume="allow",
+                   dir=str(workdir), config=config)
+  run.define_metric("step")
+  run.define_metric("*", step_metric="step")
+  return run

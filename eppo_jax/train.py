@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import json
 import logging
 import time
@@ -89,6 +90,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
                      "KL reference is the base model with the adapters switched off")
   if r.max_new_tokens + 32 > r.max_episode_tokens:
     raise ValueError("config.rollout.max_episode_tokens leaves no room for a prompt")
+  if config.train.wandb_project and importlib.util.find_spec("wandb") is None:
+    raise ValueError("config.train.wandb_project is set but wandb is not installed: "
+                     "pip install 'eppo_jax[wandb]'")
   if config.train.num_steps < 0 or config.optim.ppo_epochs < 1:
     raise ValueError("config.train.num_steps must be >= 0 and config.optim.ppo_epochs >= 1")
 
@@ -258,17 +262,18 @@ def sft_stage(run: Run, trainable, logger: MetricsLogger):
   per_host = max(jax.local_device_count(), s.batch_size // jax.process_count())
   per_host -= per_host % jax.local_device_count()
   arrays = {k: getattr(demos, k) for k in ("tokens", "attention_mask", "loss_mask")}
-  start = time.time()
+  start, loss = time.time(), float("nan")
   for i in range(s.steps):
     pick = rng.choice(len(demos.rewards), per_host, replace=len(demos.rewards) < per_host)
     # Trim the batch to its longest demonstration (bucketed): fewer pad tokens, few shapes.
     width = parallel.global_max(agent.bucket(int(demos.attention_mask[pick].sum(1).max()) + 1, 64))
     batch = parallel.shard({k: v[pick, :width] for k, v in arrays.items()})
     trainable, opt_state, metrics = sft(trainable, opt_state, run.frozen, batch)
-    if i % 25 == 0 or i == s.steps - 1:
+    if i % 5 == 0 or i == s.steps - 1:  # Reading the loss waits for the device: not every step.
       loss = float(parallel.unreplicate(metrics)["sft_loss"])
-      log.info("SFT step %d/%d: loss %.4f (%.0fs)", i + 1, s.steps, loss, time.time() - start)
+      logger.progress(i + 1, f"loss {loss:.3f}", phase="sft", total=s.steps)
       logger.log(-s.steps + i + 1, {"sft_loss": loss})
+  log.info("SFT: %d steps in %.0fs, final loss %.4f", s.steps, time.time() - start, loss)
   return parallel.unreplicate(trainable)
 
 
@@ -320,6 +325,7 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
     history = meta["history"]
     log.info("resumed from %s at RL step %d", ckpt.directory, int(state.step))
   logger = MetricsLogger(workdir, specs, t.num_steps, tensorboard=t.tensorboard, plots=t.plots,
+                         wandb_project=t.wandb_project, wandb_config=config.to_dict(),
                          write=main, history=history)
   if ckpt.latest_step() is None:
     if config.sft.enabled:
