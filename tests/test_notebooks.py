@@ -22,7 +22,8 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
-COLABS = Path(__file__).resolve().parent.parent / "colabs"
+ROOT = Path(__file__).resolve().parent.parent
+COLABS = ROOT / "colabs"
 NOTEBOOKS = ("quickstart.ipynb", "hf_lora.ipynb", "entropy_dynamics.ipynb")
 CELL_TIMEOUT_S = 600  # Per cell; a cell that hangs fails the test instead of blocking the suite.
 KERNEL_NAME = "eppo-jax-test"
@@ -62,13 +63,20 @@ def kernel_manager_factory(tmp_path_factory):
       "TRANSFORMERS_VERBOSITY": "error",
       "TOKENIZERS_PARALLELISM": "false",
       "PYDEVD_DISABLE_FILE_VALIDATION": "1",
+      # A notebook's install cell runs pip as on Colab, but the project (without its dependencies,
+      # which this interpreter has) goes to a scratch directory, not into the test environment.
+      "PIP_TARGET": str(root / "pip_target"),
+      "PIP_NO_DEPS": "1",
+      "PIP_DISABLE_PIP_VERSION_CHECK": "1",
   }
   ksm = KernelSpecManager(kernel_dirs=[str(write_kernelspec(root / "kernels", env))],
                           ensure_native_kernel=False)
   assert ksm.get_kernel_spec(KERNEL_NAME).argv[0] == sys.executable
   # IPC sockets: local only, and no warning about unencrypted TCP.
-  return lambda: KernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=ksm, transport="ipc",
-                               ip=str(root / "kernel-ipc"))
+  make = lambda: KernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=ksm, transport="ipc",
+                              ip=str(root / "kernel-ipc"))
+  make.pip_target = root / "pip_target"
+  return make
 
 
 def _parameters_cell(nb) -> int:
@@ -94,12 +102,12 @@ def inject_parameters(nb, params: dict):
   return nb
 
 
-def run_notebook(name: str, params: dict, make_km) -> tuple:
-  """Executes colabs/`name` with `params` in colabs/ (as Jupyter would); returns (nb, seconds)."""
+def run_notebook(name: str, params: dict, make_km, cwd: Path = COLABS) -> tuple:
+  """Executes colabs/`name` with `params` in `cwd` (colabs/, as Jupyter would) -> (nb, seconds)."""
   nb = inject_parameters(nbformat.read(str(COLABS / name), as_version=4), params)
   km = make_km()
   client = nbclient.NotebookClient(nb, km=km, timeout=CELL_TIMEOUT_S,
-                                   resources={"metadata": {"path": str(COLABS)}})
+                                   resources={"metadata": {"path": str(cwd)}})
   start = time.time()
   try:
     client.execute()
@@ -177,15 +185,26 @@ def _tiny_qwen2(out_dir: Path) -> Path:
 
 
 def test_hf_lora(tmp_path, kernel_manager_factory):
-  """LoRA on an HF Qwen2 directory, EPPO, merged export that transformers loads and runs."""
+  """LoRA on an HF Qwen2 directory, EPPO, merged export that transformers loads and runs.
+
+  Opened outside any checkout, as Colab opens it: the install cell clones REPO_URL (here this
+  repository, by file URL) and pip-installs the clone.
+  """
   model_dir = _tiny_qwen2(tmp_path / "tiny_qwen2")
   workdir = tmp_path / "hf_lora"
-  params = dict(INSTALL=False, DOWNLOAD=False, FRESH=True, MODEL=str(model_dir),
+  outside = tmp_path / "colab"
+  outside.mkdir()
+  params = dict(INSTALL=True, REPO_URL=f"file://{ROOT}", DOWNLOAD=False, FRESH=True,
+                MODEL=str(model_dir),
                 WORKDIR=str(workdir), NUM_STEPS=1, INSTANCES_PER_STEP=2, GROUP_SIZE=2,
                 MAX_TURNS=2, MAX_NEW_TOKENS=8, MAX_EPISODE_TOKENS=512, MICRO_BATCH=2,
                 LORA_RANK=4, DTYPE="float32", EVAL_EVERY=1, EVAL_INSTANCES_PER_TASK=1)
-  nb, seconds = run_notebook("hf_lora.ipynb", params, kernel_manager_factory)
+  nb, seconds = run_notebook("hf_lora.ipynb", params, kernel_manager_factory, cwd=outside)
   print(f"hf_lora.ipynb: {seconds:.0f}s")
+  clone = outside / "eppo_jax_repo"
+  assert f"repository: {clone}" in _text(nb)
+  assert (clone / ".git").is_dir() and (clone / "configs" / "multitask.py").exists()
+  assert (kernel_manager_factory.pip_target / "eppo_jax" / "__init__.py").exists()
   exported = json.loads((workdir / "hf_export" / "config.json").read_text())
   assert exported["architectures"] == ["Qwen2ForCausalLM"]
   text = _text(nb)

@@ -47,7 +47,7 @@ def resolve_model_dir(path_or_hub_id: str | os.PathLike) -> Path:
   except Exception as e:  # The hub raises several types for "not cached".
     raise FileNotFoundError(
         f"{name!r} is not in the local Hugging Face cache and this loader never downloads. "
-        f"Fetch it first where the hub is reachable (`huggingface-cli download {name}`) or pass "
+        f"Fetch it first where the hub is reachable (`hf download {name}`) or pass "
         f"a local directory.") from e
 
 
