@@ -67,6 +67,7 @@ def kernel_manager_factory(tmp_path_factory):
       # which this interpreter has) goes to a scratch directory, not into the test environment.
       "PIP_TARGET": str(root / "pip_target"),
       "PIP_NO_DEPS": "1",
+      "PIP_NO_BUILD_ISOLATION": "0",  # pip's inverted spelling of --no-build-isolation.
       "PIP_DISABLE_PIP_VERSION_CHECK": "1",
   }
   ksm = KernelSpecManager(kernel_dirs=[str(write_kernelspec(root / "kernels", env))],
