@@ -129,13 +129,15 @@ class OurStep:
                                    stop_token_ids=(pre.tokenizer.eos_token_id,),
                                    pad_id=pre.tokenizer.pad_token_id)
 
+    extra, self.old_logprobs = old_logprobs_choice(steps.StepConfig, args.old_logprobs)
+    from_sampler = self.old_logprobs == "sampler"
+
     def sample(trainable, frozen, tokens, mask, rng):
-      # Only what the update reads leaves the device; XLA drops the unused KV cache output.
+      # Only what the update reads leaves the device; XLA drops the unused outputs (KV cache).
       out = sampling.rollout(lora.combine(trainable, frozen), pre.config, tokens, mask, rng, samp)
-      return out.tokens, out.mask, out.logprobs, out.entropies
+      return (out.tokens, out.mask) + ((out.logprobs, out.entropies) if from_sampler else ())
 
     pacing_cfg, loss_cfg = objective.method_configs("grpo")  # Fixed clip 0.2, as TRL's epsilon.
-    extra, self.old_logprobs = old_logprobs_choice(steps.StepConfig, args.old_logprobs)
     cfg = steps.StepConfig(model=pre.config, pacing=pacing_cfg, loss=loss_cfg, num_tasks=1,
                            num_groups=args.prompts, temperature=1.0,
                            num_minibatches=args.minibatches, **extra)
@@ -161,8 +163,7 @@ class OurStep:
     keys = parallel.replicate(jax.random.fold_in(self.key, 2 * i))
     out = self.p_sample(self.state.trainable, self.frozen, parallel.shard(prompt_BxP),
                         parallel.shard(prompt_mask_BxP), keys)
-    tokens_BxN, mask_BxN, logp_BxN, ent_BxN = (np.asarray(x).reshape((-1,) + x.shape[2:])
-                                               for x in out)
+    tokens_BxN, mask_BxN, *scores = (np.asarray(x).reshape((-1,) + x.shape[2:]) for x in out)
     generated = time.perf_counter()
     texts = self.tokenizer.batch_decode([t[m] for t, m in zip(tokens_BxN, mask_BxN)],
                                         skip_special_tokens=True)
@@ -174,10 +175,10 @@ class OurStep:
                  loss_mask=np.concatenate([np.zeros_like(prompt_mask_BxP), mask_BxN], 1),
                  task_ids=np.zeros(len(rows), np.int32),
                  group_ids=np.arange(len(rows), dtype=np.int32) // g, rewards=rewards)
-    if self.old_logprobs == "sampler":  # The sampler's numbers, aligned with tokens (0 on prompts).
+    if scores:  # The sampler's log-probs and entropies, aligned with tokens (0 on the prompt).
       zeros_BxP = np.zeros(prompt_BxP.shape, np.float32)
-      batch.update(logprobs=np.concatenate([zeros_BxP, logp_BxN], 1),
-                   entropies=np.concatenate([zeros_BxP, ent_BxN], 1))
+      batch.update({k: np.concatenate([zeros_BxP, x_BxN], 1)
+                    for k, x_BxN in zip(("logprobs", "entropies"), scores)})
     keys = parallel.replicate(jax.random.fold_in(self.key, 2 * i + 1))
     self.state, metrics = self.p_train(self.state, self.frozen, parallel.shard(batch), keys)
     jax.block_until_ready((self.state, metrics))
