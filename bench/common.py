@@ -56,12 +56,12 @@ def torch_default_threads() -> int:
   return int(out.stdout.split()[-1])
 
 
-def peer_thread_settings() -> list[int]:
+def peer_thread_settings(default_threads: int) -> list[int]:
   """Thread counts to time the PyTorch side at: [1, default], or [1] where the default is 1.
 
   0 stands for "PyTorch's default" (the worker leaves `torch.set_num_threads` alone).
   """
-  return [1] if torch_default_threads() == 1 else [1, 0]
+  return [1] if default_threads == 1 else [1, 0]
 
 
 def set_torch_threads(threads: int) -> int:

@@ -181,10 +181,12 @@ def bench_model(name: str, model_dir: str, args, bandwidth: float, settings, def
     mine = [r[str(b)] for r in ours]
     total_s, prefill_s = common.median(mine, "total_s"), common.median(mine, "prefill_s")
     jax_tps = b * args.new_tokens / total_s
-    step_s = max(total_s - prefill_s, 1e-9) / max(args.new_tokens - 1, 1)
-    roofline = info["weight_bytes"] / step_s / bandwidth
+    # Decode steps = the whole call less the prefill; too short a call leaves nothing to measure.
+    step_s = (total_s - prefill_s) / max(args.new_tokens - 1, 1)
+    roofline = (f"{info['weight_bytes'] / step_s / bandwidth:8.1%}"
+                if args.new_tokens > 1 and step_s > 0 else f"{'-':>8}")
     row = (f"{b:5d} | {jax_tps:10.1f} {common.median(mine, 'compile_s'):9.1f} {prefill_s:9.2f} "
-           f"{roofline:8.1%} | ")
+           f"{roofline} | ")
     if settings:
       hf_s = {n: common.median([r[str(b)] for r in runs[n]], "total_s") for n in settings}
       best = common.fastest(hf_s)
@@ -218,8 +220,8 @@ def main():
     return
 
   cores = common.use_cores(args.cores)  # Before jax is imported; the workers inherit the mask.
-  settings = [] if args.skip_hf else common.peer_thread_settings()
   default_threads = common.torch_default_threads()
+  settings = [] if args.skip_hf else common.peer_thread_settings(default_threads)
   bandwidth = copy_bandwidth()
   print(f"{cores} cores for both sides; HF at "
         f"{' and '.join(common.setting_name(n, default_threads) for n in settings) or '-'}; "

@@ -362,8 +362,8 @@ def main():
 
   cores = common.use_cores(args.cores)  # Before jax is imported; the workers inherit the mask.
   check_trl()
-  settings = common.peer_thread_settings()
   default_threads = common.torch_default_threads()
+  settings = common.peer_thread_settings(default_threads)
   with tempfile.TemporaryDirectory() as tmp:
     model_dir = build_model(args.model, os.path.join(tmp, "model"))
     jobs = {"ours": lambda: common.run_worker(__file__, worker_argv("ours", model_dir, args))}

@@ -273,8 +273,8 @@ def main():
     return
 
   cores = common.use_cores(args.cores)  # Before jax starts its thread pool; workers inherit it.
-  settings = [] if args.skip_torch else common.peer_thread_settings()
   default_threads = common.torch_default_threads()
+  settings = [] if args.skip_torch else common.peer_thread_settings(default_threads)
   import jax  # pylint: disable=g-import-not-at-top
   import torch  # pylint: disable=g-import-not-at-top
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}; torch {torch.__version__} at "
