@@ -395,8 +395,8 @@ def main():
           f"{common.median(summaries, 'tokens'):12.0f} "
           f"{common.median(summaries, 'tokens') / step_s:9.0f} "
           f"{common.median(summaries, 'reward_mean'):7.3f}  "
-          f"{common.median(summaries, 'generate'):.2f} / {common.median(summaries, 'reward'):.2f} / "
-          f"{common.median(summaries, 'update'):.2f}")
+          f"{common.median(summaries, 'generate'):.2f} / "
+          f"{common.median(summaries, 'reward'):.2f} / {common.median(summaries, 'update'):.2f}")
   trl_s = {n: common.median([summarize(r, args.warmup) for r in runs[n]], "total")
            for n in settings}
   best = common.fastest(trl_s)
