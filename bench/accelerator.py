@@ -34,8 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from common import MODELS as CPU_MODELS
 from decode import decode_weight_bytes, time_jax
-from train_step import GROUP, LR, MODELS as CPU_MODELS, NUM_TASKS, make_batch
+from train_step import GROUP, LR, NUM_TASKS, make_batch
 
 from eppo_jax import lora, objective, pacing, parallel, steps
 from eppo_jax.models.config import LoraConfig, ModelConfig

@@ -1,16 +1,135 @@
-"""Helpers shared by the benchmarks."""
+"""Helpers shared by the benchmarks: core pinning, worker processes, the peer's thread settings.
 
+Every benchmark that times PyTorch (HF `generate`, TRL, a PyTorch update) runs each side in its
+own fresh process, pinned to the same cores, and times the peer at two thread settings: 1 thread
+and PyTorch's default. On a shared machine PyTorch with several OpenMP threads can become 10-30x
+slower than with 1 (each parallel op waits at a barrier for a thread that another process's load
+has descheduled), so a ratio against the default alone mostly measures the load; the faster
+setting is the peer's fair figure. The processes are interleaved (ours, peer@1, peer@default, then
+rotated) and repeated, and medians are reported, so slow drift of the machine's load hits every
+side alike.
+"""
+
+from __future__ import annotations
+
+import json
 import os
+import subprocess
+import sys
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+RESULT = "RESULT "  # Prefix of the one stdout line that carries a worker's JSON result.
+
+# name -> ModelConfig kwargs. tiny: the default config's sizes (configs/multitask.py); 100m: a
+# ~125M-parameter Llama (GPT-2-small width, Llama vocabulary, grouped-query attention).
+MODELS = {
+    "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=4,
+                 num_heads=4, num_kv_heads=2, head_dim=32, tie_word_embeddings=True),
+    "100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
+                 num_heads=12, num_kv_heads=4, head_dim=64, tie_word_embeddings=False),
+}
 
 
 def use_cores(n: int) -> int:
   """Pins this process (and its children) to its first `n` allowed cores (0 = all); -> core count.
 
-  Both sides then get the same cores: XLA sizes its thread pool from the affinity mask, and torch
-  is given as many threads. On a shared machine, fewer cores than the machine has also keeps
-  torch's OpenMP barriers from waiting on threads that other processes' load has descheduled.
+  Call it before jax is imported: XLA sizes its CPU thread pool from the affinity mask when it
+  starts, and worker processes inherit the mask, so both sides then run on the same cores.
   """
+  if "jax" in sys.modules and n:
+    raise RuntimeError("use_cores() must run before jax is imported (XLA sizes its thread pool "
+                       "from the affinity mask at start-up)")
   allowed = sorted(os.sched_getaffinity(0))
   if n:
+    if n > len(allowed):
+      raise SystemExit(f"--cores {n}: only {len(allowed)} cores are available")
     os.sched_setaffinity(0, allowed[:n])
   return len(os.sched_getaffinity(0))
+
+
+def torch_default_threads() -> int:
+  """PyTorch's default intra-op thread count in a fresh process on this process's cores."""
+  out = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                       capture_output=True, text=True, check=True)
+  return int(out.stdout.split()[-1])
+
+
+def peer_thread_settings(default_threads: int) -> list[int]:
+  """Thread counts to time the PyTorch side at: [1, default], or [1] where the default is 1.
+
+  0 stands for "PyTorch's default" (the worker leaves `torch.set_num_threads` alone).
+  """
+  return [1] if default_threads == 1 else [1, 0]
+
+
+def set_torch_threads(threads: int) -> int:
+  """Applies a thread setting from `peer_thread_settings` (0 = default); -> threads in use."""
+  import torch  # pylint: disable=g-import-not-at-top
+  if threads:
+    torch.set_num_threads(threads)
+  return torch.get_num_threads()
+
+
+def setting_name(threads: int, default: Optional[int] = None) -> str:
+  """'1 thread' / 'default (2 threads)' for the tables."""
+  if threads == 1:
+    return "1 thread"
+  return f"default ({default} threads)" if default else "default threads"
+
+
+def emit(result: dict) -> None:
+  """Prints a worker's result as the one line the driver parses."""
+  print(RESULT + json.dumps(result), flush=True)
+
+
+def run_worker(script: str, argv: Sequence[str]) -> dict:
+  """Runs `python script argv...` in a fresh process (same cores) and returns its emitted dict."""
+  cmd = [sys.executable, os.path.abspath(script), *argv]
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT)]
+  if proc.returncode or not lines:
+    sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+    raise RuntimeError(f"worker failed (exit {proc.returncode}): {' '.join(cmd)}")
+  return json.loads(lines[-1][len(RESULT):])
+
+
+def interleaved(jobs: dict, repeats: int,
+                log: Optional[Callable[[str], None]] = None) -> dict[str, list[dict]]:
+  """Runs every job `repeats` times, rotating their order each round; -> name -> results.
+
+  `jobs` maps a name ("ours", or a peer thread setting) to a function that runs one fresh process.
+
+  Rotation puts each side first, middle and last in turn, so a change of the machine's load
+  during the benchmark lands on every side rather than on whichever ran last.
+  """
+  names = list(jobs)
+  results = {name: [] for name in names}
+  for r in range(repeats):
+    k = r % len(names)
+    for name in names[k:] + names[:k]:
+      results[name].append(jobs[name]())
+      label = name if isinstance(name, str) else f"peer at {setting_name(name)}"
+      (log or _stderr)(f"  round {r + 1}/{repeats}: {label} done")
+  return results
+
+
+def _stderr(line: str) -> None:
+  print(line, file=sys.stderr, flush=True)
+
+
+def median(results: list[dict], key: str) -> float:
+  """Median of `key` over the repeated runs of one side."""
+  return float(np.median([r[key] for r in results]))
+
+
+def spread(results: list[dict], key: str) -> str:
+  """'min-max' of `key` over the repeats, to print next to the median."""
+  values = [r[key] for r in results]
+  return f"{min(values):.3g}-{max(values):.3g}"
+
+
+def fastest(seconds_by_setting: dict[int, float]) -> int:
+  """The peer setting with the smallest median time."""
+  return min(seconds_by_setting, key=seconds_by_setting.get)

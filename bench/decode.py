@@ -1,14 +1,16 @@
 """Decode throughput of `eppo_jax.rollout` vs. `transformers` `generate`, on the same weights.
 
-  python bench/decode.py                       # tiny model, batch 1/16/64 (~4 min on 2 cores)
-  python bench/decode.py --models tiny,100m    # + the ~134M Llama (~20 min on 2 cores, HF-bound)
-  python bench/decode.py --batch-sizes 16 --new-tokens 32   # quick look
+  python bench/decode.py --cores 1             # tiny model, batch 1/16/64, 3 interleaved repeats
+  python bench/decode.py --models tiny,100m    # + the ~134M Llama (HF-bound on CPU)
+  python bench/decode.py --batch-sizes 16 --new-tokens 32 --repeats 1   # quick look
 
 Both sides decode greedily, with no stop token, `--new-tokens` tokens after a `--prompt-len` prompt
 (HF with `min_new_tokens = max_new_tokens`, so it never stops early). Throughput counts generated
 tokens over the whole call, prefill included; compilation is reported apart (JAX compiles ahead
-with `lower().compile()`; HF gets a short warm-up generate). PyTorch gets as many threads as the
-cores JAX's CPU backend sees, so neither side has more.
+with `lower().compile()`; HF gets a short warm-up generate). Each side runs in its own fresh
+process on the same cores (`--cores`); HF is timed with 1 thread and with PyTorch's default
+threads, interleaved with ours and repeated `--repeats` times, and the ratio uses the faster HF
+setting's median (see `common.py`).
 The roofline column is the fraction of the measured copy bandwidth (large NumPy copy) that the
 decode steps reach when each step reads every weight once: weight bytes x steps/s / bandwidth.
 """
@@ -20,20 +22,14 @@ import os
 import tempfile
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-import eppo_jax
-from eppo_jax import sampling
-from eppo_jax.models.config import ModelConfig
-from eppo_jax.models.hf import param_bytes
-from eppo_jax.models.tiny import TinySpec, build_tiny_model
-from eppo_jax.models.transformer import init_params
+import common
 
-# ~100M-class Llama: 85M in the layers + 2 x 25M untied embedding / head = 134M parameters.
-LLAMA_100M = ModelConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
-                         num_heads=12, num_kv_heads=12, head_dim=64, max_position_embeddings=2048)
+# ~100M-class Llama (ModelConfig kwargs): 85M in the layers + 2 x 25M untied embedding / head =
+# 134M parameters.
+LLAMA_100M = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
+                  num_heads=12, num_kv_heads=12, head_dim=64, max_position_embeddings=2048)
 
 
 def synthetic_corpus(n_lines: int = 400, seed: int = 0) -> list[str]:
@@ -56,16 +52,27 @@ def copy_bandwidth(n_bytes: int = 1 << 29, repeats: int = 3) -> float:
   return 2 * n_bytes / best
 
 
-def decode_weight_bytes(params, config: ModelConfig) -> int:
+def decode_weight_bytes(params, config) -> int:
   """Bytes of weights one decode step reads: all of them, except the untied embedding table."""
+  from eppo_jax.models.hf import param_bytes  # pylint: disable=g-import-not-at-top
   total = param_bytes(params)
   if not config.tie_word_embeddings:  # Only B rows of the table are gathered.
     total -= config.vocab_size * config.hidden_size * config.weight_dtype.itemsize
   return total
 
 
+def make_prompts(vocab_size: int, batch_sizes, prompt_len: int) -> dict[int, np.ndarray]:
+  """batch size -> [B, P] random prompt ids; the same on both sides (fixed seed and order)."""
+  rng = np.random.default_rng(0)
+  return {b: rng.integers(10, vocab_size, (b, prompt_len)).astype(np.int32) for b in batch_sizes}
+
+
 def time_jax(params, config, prompt_BxP, new_tokens: int):
   """(compile seconds, prefill seconds, total seconds) of a greedy rollout, compiled ahead."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from eppo_jax import sampling  # pylint: disable=g-import-not-at-top
+  prompt_BxP = jnp.asarray(prompt_BxP)
   mask_BxP = jnp.ones(prompt_BxP.shape, bool)
   rng = jax.random.PRNGKey(0)
   timings = {}
@@ -100,65 +107,132 @@ def time_hf(model, prompt_BxP, new_tokens: int, pad_id: int):
   return warm, total
 
 
-def bench_model(name, params, config, model_dir, args, bandwidth, threads):
-  """Prints one table row per batch size."""
-  weight_bytes = decode_weight_bytes(params, config)
-  hf_model = None
-  if not args.skip_hf:
-    import torch  # pylint: disable=g-import-not-at-top
-    import transformers  # pylint: disable=g-import-not-at-top
-    torch.set_num_threads(threads)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32).eval()
-  print(f"\n{name}: {config.num_params() / 1e6:.1f}M params, {weight_bytes / 2**20:.0f} MiB read "
-        f"per decode step, dtype {config.dtype}")
+# ----------------------------------------------------------------------------------------------
+# Workers (each in its own process): every batch size, one side.
+
+
+def jax_worker(args) -> dict:
+  """Our side: str(batch) -> {total_s, compile_s, prefill_s}, plus the weight bytes per step."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import eppo_jax  # pylint: disable=g-import-not-at-top
+  pre = eppo_jax.load_pretrained(args.model_dir, with_tokenizer=False)
+  out = dict(platform=jax.devices()[0].platform, jax=jax.__version__,
+             weight_bytes=decode_weight_bytes(pre.params, pre.config),
+             num_params=pre.config.num_params(), dtype=str(pre.config.dtype))
+  prompts = make_prompts(pre.config.vocab_size, args.batch_sizes, args.prompt_len)
+  for b, prompt_BxP in prompts.items():
+    compile_s, prefill_s, total_s = time_jax(pre.params, pre.config, prompt_BxP, args.new_tokens)
+    out[str(b)] = dict(total_s=total_s, compile_s=compile_s, prefill_s=prefill_s)
+  return out
+
+
+def hf_worker(args) -> dict:
+  """HF's side at `--threads` (0 = PyTorch's default): str(batch) -> {total_s}."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  threads = common.set_torch_threads(args.threads)
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      args.model_dir, dtype=torch.float32).eval()
+  out = dict(threads=threads, torch=torch.__version__)
+  prompts = make_prompts(model.config.vocab_size, args.batch_sizes, args.prompt_len)
+  for b, prompt_BxP in prompts.items():
+    _, total_s = time_hf(model, prompt_BxP, args.new_tokens, pad_id=0)
+    out[str(b)] = dict(total_s=total_s)
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Driver.
+
+
+def build_model(name: str, model_dir: str) -> None:
+  """Writes model `name` (tiny: the 3.3M `TinySpec()` model; 100m) as an HF directory."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import eppo_jax  # pylint: disable=g-import-not-at-top
+  from eppo_jax.models.tiny import TinySpec, build_tiny_model  # pylint: disable=g-import-not-at-top
+  if name == "tiny":
+    build_tiny_model(model_dir, synthetic_corpus(), TinySpec())
+  elif name == "100m":
+    config = eppo_jax.ModelConfig(**LLAMA_100M)
+    eppo_jax.export_hf(eppo_jax.init_params(config, jax.random.PRNGKey(0)), config, model_dir)
+  else:
+    raise SystemExit(f"unknown model {name!r} (tiny, 100m)")
+
+
+def worker_argv(side: str, model_dir: str, args, threads: int = 0) -> list[str]:
+  return ["--worker", side, "--model-dir", model_dir, "--threads", str(threads),
+          "--batch-sizes", ",".join(map(str, args.batch_sizes)),
+          "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
+
+
+def bench_model(name: str, model_dir: str, args, bandwidth: float, settings, default_threads):
+  """Runs the interleaved workers for one model and prints one table row per batch size."""
+  jobs = {"ours": lambda: common.run_worker(__file__, worker_argv("jax", model_dir, args))}
+  jobs.update({n: (lambda n=n: common.run_worker(__file__, worker_argv("hf", model_dir, args, n)))
+               for n in settings})
+  runs = common.interleaved(jobs, args.repeats)
+  ours = runs["ours"]
+  info = ours[0]
+  print(f"\n{name}: {info['num_params'] / 1e6:.1f}M params, {info['weight_bytes'] / 2**20:.0f} MiB "
+        f"read per decode step, dtype {info['dtype']}")
   print(f"{'batch':>5} | {'jax tok/s':>10} {'compile s':>9} {'prefill s':>9} {'roofline':>8} | "
-        f"{'hf tok/s':>9} | {'ratio':>6}")
-  rng = np.random.default_rng(0)
+        f"{'hf tok/s @1':>11} {'@default':>9} | {'ratio':>6}  faster HF setting")
   for b in args.batch_sizes:
-    prompt_BxP = jnp.asarray(rng.integers(10, config.vocab_size, (b, args.prompt_len)), jnp.int32)
-    compile_s, prefill_s, total_s = time_jax(params, config, prompt_BxP, args.new_tokens)
+    mine = [r[str(b)] for r in ours]
+    total_s, prefill_s = common.median(mine, "total_s"), common.median(mine, "prefill_s")
     jax_tps = b * args.new_tokens / total_s
-    step_s = max(total_s - prefill_s, 1e-9) / max(args.new_tokens - 1, 1)
-    roofline = weight_bytes / step_s / bandwidth
-    hf_cell, ratio_cell = f"{'-':>9}", f"{'-':>6}"
-    if hf_model is not None:
-      _, hf_s = time_hf(hf_model, prompt_BxP, args.new_tokens, pad_id=0)
-      hf_tps = b * args.new_tokens / hf_s
-      hf_cell, ratio_cell = f"{hf_tps:9.1f}", f"{jax_tps / hf_tps:5.2f}x"
-    print(f"{b:5d} | {jax_tps:10.1f} {compile_s:9.1f} {prefill_s:9.2f} {roofline:8.1%} | "
-          f"{hf_cell} | {ratio_cell}", flush=True)
+    # Decode steps = the whole call less the prefill; too short a call leaves nothing to measure.
+    step_s = (total_s - prefill_s) / max(args.new_tokens - 1, 1)
+    roofline = (f"{info['weight_bytes'] / step_s / bandwidth:8.1%}"
+                if args.new_tokens > 1 and step_s > 0 else f"{'-':>8}")
+    row = (f"{b:5d} | {jax_tps:10.1f} {common.median(mine, 'compile_s'):9.1f} {prefill_s:9.2f} "
+           f"{roofline} | ")
+    if settings:
+      hf_s = {n: common.median([r[str(b)] for r in runs[n]], "total_s") for n in settings}
+      best = common.fastest(hf_s)
+      cells = [f"{b * args.new_tokens / hf_s[n]:.1f}" if n in hf_s else "-" for n in (1, 0)]
+      row += (f"{cells[0]:>11} {cells[1]:>9} | {hf_s[best] / total_s:5.2f}x  "
+              f"{common.setting_name(best, default_threads)}")
+    else:
+      row += f"{'-':>11} {'-':>9} | {'-':>6}"
+    print(row, flush=True)
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--cores", type=int, default=0,
+                      help="cores for both sides (0 = all this process may use)")
   parser.add_argument("--models", default="tiny", help="comma list of tiny, 100m")
   parser.add_argument("--batch-sizes", default="1,16,64",
                       type=lambda s: [int(x) for x in s.split(",")])
   parser.add_argument("--prompt-len", type=int, default=128)
   parser.add_argument("--new-tokens", type=int, default=128)
+  parser.add_argument("--repeats", type=int, default=3,
+                      help="fresh processes per side and setting (medians are reported)")
   parser.add_argument("--skip-hf", action="store_true", help="time only the JAX side")
+  # Internal: run one side in this process and print a RESULT line.
+  parser.add_argument("--worker", choices=("jax", "hf"), help=argparse.SUPPRESS)
+  parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+  parser.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
   args = parser.parse_args()
+  if args.worker:
+    common.emit((jax_worker if args.worker == "jax" else hf_worker)(args))
+    return
 
-  threads = len(os.sched_getaffinity(0))  # XLA's CPU backend uses every core it may run on.
+  cores = common.use_cores(args.cores)  # Before jax is imported; the workers inherit the mask.
+  default_threads = common.torch_default_threads()
+  settings = [] if args.skip_hf else common.peer_thread_settings(default_threads)
   bandwidth = copy_bandwidth()
-  print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {threads} cores; torch threads = "
-        f"{threads}; measured copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+  print(f"{cores} cores for both sides; HF at "
+        f"{' and '.join(common.setting_name(n, default_threads) for n in settings) or '-'}; "
+        f"measured copy bandwidth {bandwidth / 1e9:.1f} GB/s; medians of {args.repeats} "
+        f"interleaved runs per side")
   print(f"prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, no stop")
   with tempfile.TemporaryDirectory() as tmp:
     for name in args.models.split(","):
       model_dir = os.path.join(tmp, name)
-      if name == "tiny":
-        build_tiny_model(model_dir, synthetic_corpus(), TinySpec())
-        pre = eppo_jax.load_pretrained(model_dir, with_tokenizer=False)
-        params, config = pre.params, pre.config
-      elif name == "100m":
-        config = LLAMA_100M
-        params = init_params(config, jax.random.PRNGKey(0))
-        eppo_jax.export_hf(params, config, model_dir)
-      else:
-        raise ValueError(f"unknown model {name!r}")
-      bench_model(name, params, config, model_dir, args, bandwidth, threads)
+      build_model(name, model_dir)
+      bench_model(name, model_dir, args, bandwidth, settings, default_threads)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """One whole RL step (generation + reward + update) of eppo_jax vs. TRL's `GRPOTrainer` on CPU.
 
   pip install trl -c <(pip freeze | grep -E '^(torch|transformers)==')   # keeps our torch
-  python bench/rl_step.py --cores 1              # tiny model, 8 prompts x G=4 x 32 tokens, ~1 min
-  python bench/rl_step.py --prompts 16 --new-tokens 64 --steps 5
+  python bench/rl_step.py --cores 1              # tiny model, 8 prompts x G=4 x 32 tokens
+  python bench/rl_step.py --cores 1 --model 100m --new-tokens 128
+  python bench/rl_step.py --prompts 16 --new-tokens 64 --steps 5 --repeats 1
 
-Both sides do the same work each step, on the same weights (the tiny default Llama, built with
-`tiny.build_tiny_model`: a locally trained tokenizer and random weights exported by `export_hf`):
+Both sides do the same work each step, on the same weights (`--model tiny`: the tiny default
+Llama, built with `tiny.build_tiny_model`; `--model 100m`: the ~125M Llama shape of
+`train_step.py`; both with a locally trained tokenizer and random weights exported by `export_hf`):
 B single-turn Countdown prompts (chat template, the tiny config's one-line system prompt), G
 sampled completions of each (temperature 1, at most N new tokens, stop at `<|im_end|>`), the
 environment's verdict on each completion as the reward, GRPO advantages, and one policy update of
@@ -16,14 +18,20 @@ re-scores old log-probs, paces and computes the advantages). TRL: `GRPOTrainer` 
 `steps_per_generation = minibatches`, so each generation is followed by `minibatches` optimizer
 steps, as ours. The prompts come in the same order on both sides.
 
-Steps are timed after `--warmup` steps (our first one includes XLA compilation, reported apart);
-ours are timed again after TRL's as a drift check on a shared machine. Throughput counts the
-completion tokens actually generated.
+Steps are timed after `--warmup` steps (our first one includes XLA compilation, reported apart).
+Each side runs in its own fresh process on the same cores (`--cores`); TRL is timed with 1 thread
+and with PyTorch's default threads, interleaved with ours and repeated `--repeats` times, and the
+ratio uses the faster TRL setting (see `common.py`). Reported: medians over the repeats of each
+process's mean timed step, split into generate / reward / update. Throughput counts the completion
+tokens actually generated. `--old-logprobs` picks where our update takes the old-policy log-probs
+from (`StepConfig.old_logprobs`: "recompute", a teacher-forced pass, or "sampler", the rollout's
+own numbers); with an eppo_jax that has no such field the update always recomputes them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import tempfile
@@ -31,7 +39,7 @@ import time
 
 import numpy as np
 
-from common import use_cores
+import common
 
 TASK = "countdown:easy"
 LR = 1e-5
@@ -57,15 +65,32 @@ def env_reward(task: str, seed: int, completion: str) -> float:
   return reward
 
 
-def build_model(out_dir: str) -> str:
-  """The tiny default model (configs/multitask.py sizes) as an HF directory with its tokenizer."""
+def build_model(name: str, out_dir: str) -> str:
+  """Model `name` as an HF directory with the tiny default's tokenizer (trained locally).
+
+  tiny: the default config's sizes (configs/multitask.py). 100m: train_step.py's ~125M Llama
+  shape; its 32000-row vocabulary is wider than the tokenizer, as in real checkpoints whose
+  embedding is padded, so ids past the tokenizer decode to nothing (both sides alike).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import eppo_jax  # pylint: disable=g-import-not-at-top
   from eppo_jax import train  # pylint: disable=g-import-not-at-top
   from eppo_jax.models import tiny  # pylint: disable=g-import-not-at-top
-  spec = tiny.TinySpec(vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=4,
-                       num_heads=4, num_kv_heads=2)
   # The trainer's own tokenizer corpus, so the tokenizer is the one a real run would use.
   corpus = train._tokenizer_corpus([TASK])  # pylint: disable=protected-access
-  return str(tiny.build_tiny_model(out_dir, corpus, spec))
+  spec = tiny.TinySpec(vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=4,
+                       num_heads=4, num_kv_heads=2)
+  if name == "tiny":
+    return str(tiny.build_tiny_model(out_dir, corpus, spec))
+  if name != "100m":
+    raise SystemExit(f"unknown --model {name!r} (tiny, 100m)")
+  tokenizer = tiny.train_tokenizer(corpus, spec.vocab_size)
+  config = eppo_jax.ModelConfig(**common.MODELS["100m"], max_position_embeddings=2048)
+  if len(tokenizer) > config.vocab_size:
+    raise ValueError(f"tokenizer of {len(tokenizer)} ids > the model's {config.vocab_size} rows")
+  eppo_jax.export_hf(eppo_jax.init_params(config, jax.random.PRNGKey(0)), config, out_dir,
+                     tokenizer)
+  return out_dir
 
 
 def make_prompts(tokenizer, count: int):
@@ -104,15 +129,18 @@ class OurStep:
                                    stop_token_ids=(pre.tokenizer.eos_token_id,),
                                    pad_id=pre.tokenizer.pad_token_id)
 
+    extra, self.old_logprobs = old_logprobs_choice(steps.StepConfig, args.old_logprobs)
+    from_sampler = self.old_logprobs == "sampler"
+
     def sample(trainable, frozen, tokens, mask, rng):
-      # Only tokens and mask leave the device; XLA drops the unused KV cache output.
+      # Only what the update reads leaves the device; XLA drops the unused outputs (KV cache).
       out = sampling.rollout(lora.combine(trainable, frozen), pre.config, tokens, mask, rng, samp)
-      return out.tokens, out.mask
+      return (out.tokens, out.mask) + ((out.logprobs, out.entropies) if from_sampler else ())
 
     pacing_cfg, loss_cfg = objective.method_configs("grpo")  # Fixed clip 0.2, as TRL's epsilon.
     cfg = steps.StepConfig(model=pre.config, pacing=pacing_cfg, loss=loss_cfg, num_tasks=1,
                            num_groups=args.prompts, temperature=1.0,
-                           num_minibatches=args.minibatches)
+                           num_minibatches=args.minibatches, **extra)
     tx = make_optimizer(LR, 0, 0.0, 1.0)
     state = steps.TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable,
                              opt_state=tx.init(trainable), pacing=pacing.init_pacing(1))
@@ -133,9 +161,9 @@ class OurStep:
     rows = [p for p in prompt_ids for _ in range(g)]  # Group-major: prompt b -> rows b*G..b*G+G-1.
     prompt_BxP, prompt_mask_BxP = self.sampling.left_pad(rows, [width], self.tokenizer.pad_token_id)
     keys = parallel.replicate(jax.random.fold_in(self.key, 2 * i))
-    tokens, mask = self.p_sample(self.state.trainable, self.frozen,
-                                 parallel.shard(prompt_BxP), parallel.shard(prompt_mask_BxP), keys)
-    tokens_BxN, mask_BxN = (np.asarray(x).reshape((-1,) + x.shape[2:]) for x in (tokens, mask))
+    out = self.p_sample(self.state.trainable, self.frozen, parallel.shard(prompt_BxP),
+                        parallel.shard(prompt_mask_BxP), keys)
+    tokens_BxN, mask_BxN, *scores = (np.asarray(x).reshape((-1,) + x.shape[2:]) for x in out)
     generated = time.perf_counter()
     texts = self.tokenizer.batch_decode([t[m] for t, m in zip(tokens_BxN, mask_BxN)],
                                         skip_special_tokens=True)
@@ -147,6 +175,10 @@ class OurStep:
                  loss_mask=np.concatenate([np.zeros_like(prompt_mask_BxP), mask_BxN], 1),
                  task_ids=np.zeros(len(rows), np.int32),
                  group_ids=np.arange(len(rows), dtype=np.int32) // g, rewards=rewards)
+    if scores:  # The sampler's log-probs and entropies, aligned with tokens (0 on the prompt).
+      zeros_BxP = np.zeros(prompt_BxP.shape, np.float32)
+      batch.update({k: np.concatenate([zeros_BxP, x_BxN], 1)
+                    for k, x_BxN in zip(("logprobs", "entropies"), scores)})
     keys = parallel.replicate(jax.random.fold_in(self.key, 2 * i + 1))
     self.state, metrics = self.p_train(self.state, self.frozen, parallel.shard(batch), keys)
     jax.block_until_ready((self.state, metrics))
@@ -154,6 +186,16 @@ class OurStep:
     return dict(total=end - start, generate=generated - start, reward=rewarded - generated,
                 update=end - rewarded, tokens=int(mask_BxN.sum()),
                 reward_mean=float(rewards.mean()))
+
+
+def old_logprobs_choice(step_config_cls, wanted: str) -> tuple[dict, str]:
+  """(StepConfig kwargs, choice used): passes `old_logprobs` where this eppo_jax has the field."""
+  if "old_logprobs" in {f.name for f in dataclasses.fields(step_config_cls)}:
+    return {"old_logprobs": wanted}, wanted
+  if wanted != "recompute":
+    raise SystemExit(f"--old-logprobs {wanted}: this eppo_jax's StepConfig has no old_logprobs "
+                     "field (its update always recomputes them)")
+  return {}, "recompute (no StepConfig.old_logprobs field in this eppo_jax)"
 
 
 def prompt_width(ids) -> int:
@@ -165,12 +207,19 @@ def prompt_width(ids) -> int:
   return -(-max(len(x) for x in ids) // 8) * 8
 
 
-def run_ours(ours: OurStep, texts, seeds, args, first: int, count: int, offset: int = 0):
-  """Step records of `count` steps on the prompt chunks first..first+count-1."""
+def ours_worker(args) -> dict:
+  """Our side in this process: step records (first = warm-up) and the old-log-prob choice."""
+  import jax  # pylint: disable=g-import-not-at-top
+  ours = OurStep(args.model_dir, args)
+  texts, seeds = make_prompts(ours.tokenizer, args.prompts * (args.warmup + args.steps))
   ids = ours.encode(texts)
   width, b = prompt_width(ids), args.prompts
-  return [ours.step(offset + s, ids[s * b:(s + 1) * b], seeds[s * b:(s + 1) * b], width)
-          for s in range(first, first + count)]
+  records = [ours.step(s, ids[s * b:(s + 1) * b], seeds[s * b:(s + 1) * b], width)
+             for s in range(args.warmup + args.steps)]
+  lengths = [len(x) for x in ids]
+  return dict(records=records, old_logprobs=ours.old_logprobs, jax=jax.__version__,
+              platform=jax.devices()[0].platform, prompt_lengths=[min(lengths), max(lengths)],
+              width=width)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,7 +234,6 @@ def run_trl(model_dir, texts, seeds, args, tmp):
   from trl import GRPOConfig, GRPOTrainer  # pylint: disable=g-import-not-at-top
 
   torch.manual_seed(0)
-  torch.set_num_threads(len(os.sched_getaffinity(0)))
   tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
   model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
   generated = []  # (completion tokens, mean reward) per call: one call per generation batch.
@@ -246,72 +294,120 @@ def run_trl(model_dir, texts, seeds, args, tmp):
   return records
 
 
+def trl_worker(args) -> dict:
+  """TRL's side in this process at `--threads` (0 = PyTorch's default): step records."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  trl = check_trl()
+  threads = common.set_torch_threads(args.threads)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_dir)
+  texts, seeds = make_prompts(tokenizer, args.prompts * (args.warmup + args.steps))
+  with tempfile.TemporaryDirectory() as tmp:
+    records = run_trl(args.model_dir, texts, seeds, args, tmp)
+  return dict(records=records, threads=threads, torch=torch.__version__,
+              transformers=transformers.__version__, trl=trl.__version__)
+
+
 # ----------------------------------------------------------------------------------------------
+# Driver.
+
+SPLIT = ("total", "generate", "reward", "update", "tokens", "reward_mean")
 
 
-def mean(records, key):
-  return float(np.mean([r[key] for r in records]))
+def summarize(run: dict, warmup: int) -> dict:
+  """One process's means over its timed steps (after the warm-up), and its first step."""
+  timed = run["records"][warmup:]
+  out = {k: float(np.mean([r[k] for r in timed])) for k in SPLIT}
+  out["first"] = run["records"][0]["total"]
+  return out
+
+
+def worker_argv(side: str, model_dir: str, args, threads: int = 0) -> list[str]:
+  return ["--worker", side, "--model-dir", model_dir, "--threads", str(threads),
+          "--prompts", str(args.prompts), "--group", str(args.group),
+          "--new-tokens", str(args.new_tokens), "--minibatches", str(args.minibatches),
+          "--warmup", str(args.warmup), "--steps", str(args.steps),
+          "--old-logprobs", args.old_logprobs]
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--cores", type=int, default=0,
                       help="cores for both sides (0 = all this process may use)")
+  parser.add_argument("--model", default="tiny", choices=("tiny", "100m"),
+                      help="tiny: the default config's model; 100m: a ~125M Llama")
   parser.add_argument("--prompts", type=int, default=8, help="B prompts per step")
   parser.add_argument("--group", type=int, default=4, help="G completions per prompt")
   parser.add_argument("--new-tokens", type=int, default=32, help="N, max completion tokens")
   parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per RL step")
+  parser.add_argument("--old-logprobs", default="recompute", choices=("recompute", "sampler"),
+                      help="where our update takes the old-policy log-probs from")
   parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
   parser.add_argument("--steps", type=int, default=3, help="timed steps")
+  parser.add_argument("--repeats", type=int, default=3,
+                      help="fresh processes per side and setting (medians are reported)")
   parser.add_argument("--goal", type=float, default=2.0, help="target ratio of steps/s")
+  # Internal: run one side in this process and print a RESULT line.
+  parser.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
+  parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+  parser.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
   args = parser.parse_args()
   if (args.prompts * args.group) % args.minibatches:
     raise SystemExit("--prompts x --group must be divisible by --minibatches")
-  cores = use_cores(args.cores)  # Before jax and torch start their thread pools.
-  trl = check_trl()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # TRL runs on the CPU (use_cpu): so do we.
+  # TRL runs on the CPU (use_cpu): so do we. Set here so the workers inherit it.
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if args.worker:
+    common.emit((ours_worker if args.worker == "ours" else trl_worker)(args))
+    return
 
-  import jax  # pylint: disable=g-import-not-at-top
-  import torch  # pylint: disable=g-import-not-at-top
-  import transformers  # pylint: disable=g-import-not-at-top
-  print(f"jax {jax.__version__} on {jax.devices()[0].platform}; torch {torch.__version__} "
-        f"({cores} threads), transformers {transformers.__version__}, trl {trl.__version__}; "
-        f"{cores} cores")
-  n_steps = args.warmup + args.steps
+  cores = common.use_cores(args.cores)  # Before jax is imported; the workers inherit the mask.
+  check_trl()
+  default_threads = common.torch_default_threads()
+  settings = common.peer_thread_settings(default_threads)
   with tempfile.TemporaryDirectory() as tmp:
-    model_dir = build_model(os.path.join(tmp, "model"))
-    ours = OurStep(model_dir, args)
-    texts, seeds = make_prompts(ours.tokenizer, args.prompts * n_steps)
-    lengths = [len(x) for x in ours.encode(texts)]
-    print(f"{TASK}: B={args.prompts} prompts x G={args.group}, N={args.new_tokens} new tokens, "
-          f"prompts of {min(lengths)}-{max(lengths)} tokens (ours padded to "
-          f"{prompt_width(ours.encode(texts))}), {args.minibatches} optimizer steps per RL step, "
-          f"{args.warmup} warm-up + {args.steps} timed steps", flush=True)
-    our_records = run_ours(ours, texts, seeds, args, 0, n_steps)
-    trl_records = run_trl(model_dir, texts, seeds, args, tmp)
-    # Drift check: our (compiled) timed steps again, on the same prompts, after TRL's run.
-    again = run_ours(ours, texts, seeds, args, args.warmup, args.steps, offset=n_steps)
+    model_dir = build_model(args.model, os.path.join(tmp, "model"))
+    jobs = {"ours": lambda: common.run_worker(__file__, worker_argv("ours", model_dir, args))}
+    jobs.update({n: (lambda n=n: common.run_worker(__file__, worker_argv("trl", model_dir, args,
+                                                                          n)))
+                 for n in settings})
+    print(f"{cores} cores for both sides; TRL at "
+          f"{' and '.join(common.setting_name(n, default_threads) for n in settings)}; "
+          f"model {args.model}; medians of {args.repeats} interleaved runs per side", flush=True)
+    runs = common.interleaved(jobs, args.repeats)
 
-  timed, trl_timed = our_records[args.warmup:], trl_records[args.warmup:]
-  ours_s = mean(timed + again, "total")
-  trl_s = mean(trl_timed, "total")
-  print(f"\n{'':>16} {'step s':>7} {'steps/s':>8} {'gen tok/step':>12} {'gen tok/s':>9} "
-        f"{'reward':>7}  split")
-  print(f"{'eppo_jax':>16} {ours_s:7.2f} {1 / ours_s:8.3f} {mean(timed, 'tokens'):12.0f} "
-        f"{mean(timed + again, 'tokens') / ours_s:9.0f} {mean(timed, 'reward_mean'):7.3f}  "
-        f"generate {mean(timed, 'generate'):.2f} s, reward {mean(timed, 'reward'):.2f} s, "
-        f"update {mean(timed, 'update'):.2f} s")
-  print(f"{'TRL GRPOTrainer':>16} {trl_s:7.2f} {1 / trl_s:8.3f} {mean(trl_timed, 'tokens'):12.0f} "
-        f"{mean(trl_timed, 'tokens') / trl_s:9.0f} {mean(trl_timed, 'reward_mean'):7.3f}  "
-        f"generate {mean(trl_timed, 'generate'):.2f} s, reward {mean(trl_timed, 'reward'):.2f} s, "
-        f"rest (update) {mean(trl_timed, 'update'):.2f} s")
-  ratio = trl_s / ours_s
-  print(f"\nour first step (XLA compile + step): {our_records[0]['total']:.1f} s; TRL's first "
-        f"step: {trl_records[0]['total']:.1f} s")
-  print(f"our step before / after TRL's run: {mean(timed, 'total'):.2f} s / "
-        f"{mean(again, 'total'):.2f} s (drift of the shared machine)")
-  print(f"ratio (our steps/s / TRL's): {ratio:.2f}x  (goal >= {args.goal:.1f}x: "
-        f"{'met' if ratio >= args.goal else 'NOT met'})")
+  info, peer = runs["ours"][0], runs[settings[0]][0]
+  print(f"jax {info['jax']} on {info['platform']}; torch {peer['torch']}, transformers "
+        f"{peer['transformers']}, trl {peer['trl']}")
+  print(f"{TASK}: B={args.prompts} prompts x G={args.group}, N={args.new_tokens} new tokens, "
+        f"prompts of {info['prompt_lengths'][0]}-{info['prompt_lengths'][1]} tokens (ours padded "
+        f"to {info['width']}), {args.minibatches} optimizer steps per RL step, {args.warmup} "
+        f"warm-up + {args.steps} timed steps")
+  print(f"our old log-probs: {info['old_logprobs']}")
+  rows = {"eppo_jax": [summarize(r, args.warmup) for r in runs["ours"]]}
+  for n in settings:
+    rows[f"TRL @ {common.setting_name(n, default_threads)}"] = [
+        summarize(r, args.warmup) for r in runs[n]]
+  print(f"\n{'':>26} {'step s':>7} {'(range)':>11} {'steps/s':>8} {'gen tok/step':>12} "
+        f"{'gen tok/s':>9} {'reward':>7}  split (generate / reward / update s)")
+  for name, summaries in rows.items():
+    step_s = common.median(summaries, "total")
+    print(f"{name:>26} {step_s:7.2f} {common.spread(summaries, 'total'):>11} {1 / step_s:8.3f} "
+          f"{common.median(summaries, 'tokens'):12.0f} "
+          f"{common.median(summaries, 'tokens') / step_s:9.0f} "
+          f"{common.median(summaries, 'reward_mean'):7.3f}  "
+          f"{common.median(summaries, 'generate'):.2f} / "
+          f"{common.median(summaries, 'reward'):.2f} / {common.median(summaries, 'update'):.2f}")
+  trl_s = {n: common.median([summarize(r, args.warmup) for r in runs[n]], "total")
+           for n in settings}
+  best = common.fastest(trl_s)
+  ours_s = common.median(rows["eppo_jax"], "total")
+  ratio = trl_s[best] / ours_s
+  print(f"\nfirst step (ours: XLA compile + step), median: ours "
+        f"{common.median(rows['eppo_jax'], 'first'):.1f} s, TRL "
+        f"{np.median([summarize(r, args.warmup)['first'] for r in runs[best]]):.1f} s")
+  print(f"faster TRL setting: {common.setting_name(best, default_threads)}")
+  print(f"ratio (our steps/s / TRL's at its faster setting): {ratio:.2f}x  (goal >= "
+        f"{args.goal:.1f}x: {'met' if ratio >= args.goal else 'NOT met'})")
 
 
 if __name__ == "__main__":

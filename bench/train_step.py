@@ -1,7 +1,7 @@
 """Tokens/s of the EPPO update (`steps.train_step`) vs. the same PPO-clip update in PyTorch.
 
-  python bench/train_step.py --cores 1                # tiny + ~100M Llama, LoRA + full, ~5 min
-  python bench/train_step.py --models tiny --steps 5  # quick look
+  python bench/train_step.py --cores 1                # tiny + ~100M Llama, LoRA + full
+  python bench/train_step.py --models tiny --repeats 1  # quick look
 
 One update = what `steps.train_step` does on a rollout batch: a teacher-forced pass for the old
 log-probs and entropies (pacing), GRPO advantages, then `--minibatches` forward + backward + AdamW
@@ -16,7 +16,10 @@ Batches are random tokens with realistic masks: each row is a prompt (no loss), 
 and right padding, groups of 4 rows share a task instance, 3 tasks. Throughput counts every
 position of the padded batch (B x T tokens) per update. Each (model, mode, side) runs in a fresh
 subprocess, so its peak RSS (`getrusage`) is its own; the first call (XLA compile + one update) is
-reported apart from the median of the timed calls. The entropy column is the |difference| of the
+reported apart from the median of the timed calls. PyTorch is timed with 1 thread and with its
+default threads, each in its own process, interleaved with ours and repeated `--repeats` times
+(see `common.py`); the table gives medians over the repeats and the faster PyTorch setting, which
+the ratio uses. The entropy column is the |difference| of the
 mean token entropy both sides compute in their old-policy pass: a check that they ran the same
 model on the same batch.
 """
@@ -24,30 +27,19 @@ model on the same batch.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
-import subprocess
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-from common import use_cores
+import common
 
 GROUP = 4  # Rows per GRPO group.
 NUM_TASKS = 3
 LR = 1e-5
 
-# name -> ModelConfig kwargs. tiny: the default config's sizes (configs/multitask.py); 100m: a
-# ~100M-parameter Llama (GPT-2-small width, Llama vocabulary, grouped-query attention).
-MODELS = {
-    "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=4,
-                 num_heads=4, num_kv_heads=2, head_dim=32, tie_word_embeddings=True),
-    "100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
-                 num_heads=12, num_kv_heads=4, head_dim=64, tie_word_embeddings=False),
-}
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -148,7 +140,7 @@ def torch_worker(args) -> dict:
   import transformers  # pylint: disable=g-import-not-at-top
 
   torch.manual_seed(0)
-  torch.set_num_threads(len(os.sched_getaffinity(0)))
+  threads = common.set_torch_threads(args.threads)
   # Where JAX has an accelerator, so should the reference (a CUDA build of torch is needed).
   device = "cuda" if torch.cuda.is_available() else "cpu"
   model = transformers.LlamaForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
@@ -201,7 +193,7 @@ def torch_worker(args) -> dict:
     times.append(time.perf_counter() - start)
     entropy = e if i == 0 else entropy
   out = summarize(times, args.batch, args.seq)
-  out.update(trainable=sum(p.numel() for p in params), entropy=entropy)
+  out.update(trainable=sum(p.numel() for p in params), entropy=entropy, threads=threads)
   if device == "cuda":
     out["device_peak"] = torch.cuda.max_memory_allocated()
   return out
@@ -239,21 +231,17 @@ def export_model(name: str, out_dir: str) -> int:
   """Random weights of model `name` written as an HF directory; returns the parameter count."""
   import jax  # pylint: disable=g-import-not-at-top
   import eppo_jax  # pylint: disable=g-import-not-at-top
-  config = eppo_jax.ModelConfig(**MODELS[name], max_position_embeddings=2048)
+  config = eppo_jax.ModelConfig(**common.MODELS[name], max_position_embeddings=2048)
   eppo_jax.export_hf(eppo_jax.init_params(config, jax.random.PRNGKey(0)), config, out_dir)
   return config.num_params()
 
 
-def run_worker(side: str, model_dir: str, mode: str, batch: int, seq: int, args) -> dict:
-  cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--model-dir", model_dir,
-         "--mode", mode, "--batch", str(batch), "--seq", str(seq), "--steps", str(args.steps),
-         "--minibatches", str(args.minibatches), "--lora-rank", str(args.lora_rank)]
-  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-  lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-  if proc.returncode or not lines:
-    sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
-    raise RuntimeError(f"{side} worker failed ({mode}, {model_dir})")
-  return json.loads(lines[-1][len("RESULT "):])
+def worker(side: str, model_dir: str, mode: str, batch: int, seq: int, args, threads: int = 0):
+  """A job for `common.interleaved`: one side's timing in a fresh process."""
+  argv = ["--worker", side, "--model-dir", model_dir, "--mode", mode, "--batch", str(batch),
+          "--seq", str(seq), "--steps", str(args.steps), "--minibatches", str(args.minibatches),
+          "--lora-rank", str(args.lora_rank), "--threads", str(threads)]
+  return lambda: common.run_worker(__file__, argv)
 
 
 def main():
@@ -268,6 +256,8 @@ def main():
   parser.add_argument("--steps", type=int, default=2, help="timed updates after the first")
   parser.add_argument("--minibatches", type=int, default=2)
   parser.add_argument("--lora-rank", type=int, default=16)
+  parser.add_argument("--repeats", type=int, default=3,
+                      help="fresh processes per side and setting (medians are reported)")
   parser.add_argument("--skip-torch", action="store_true", help="time only our side")
   # Internal: run one side in this process and print a RESULT line.
   parser.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
@@ -275,21 +265,25 @@ def main():
   parser.add_argument("--mode", default="lora", help=argparse.SUPPRESS)
   parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
   parser.add_argument("--seq", type=int, help=argparse.SUPPRESS)
+  parser.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
   args = parser.parse_args()
 
   if args.worker:
-    out = (jax_worker if args.worker == "jax" else torch_worker)(args)
-    print("RESULT " + json.dumps(out), flush=True)
+    common.emit((jax_worker if args.worker == "jax" else torch_worker)(args))
     return
 
-  cores = use_cores(args.cores)  # Before jax starts its thread pool; workers inherit it.
+  cores = common.use_cores(args.cores)  # Before jax starts its thread pool; workers inherit it.
+  default_threads = common.torch_default_threads()
+  settings = [] if args.skip_torch else common.peer_thread_settings(default_threads)
   import jax  # pylint: disable=g-import-not-at-top
   import torch  # pylint: disable=g-import-not-at-top
-  print(f"jax {jax.__version__} on {jax.devices()[0].platform}; torch {torch.__version__} with "
-        f"{cores} threads; {cores} cores; ppo_epochs 1, {args.minibatches} minibatches, float32")
+  print(f"jax {jax.__version__} on {jax.devices()[0].platform}; torch {torch.__version__} at "
+        f"{' and '.join(common.setting_name(n, default_threads) for n in settings) or '-'}; "
+        f"{cores} cores for both; ppo_epochs 1, {args.minibatches} minibatches, float32; "
+        f"medians of {args.repeats} interleaved runs per side")
   head = (f"{'model':>5} {'mode':>4} {'B x T':>8} {'trainable':>9} | {'compile s':>9} "
-          f"{'step s':>7} {'tok/s':>8} {'RSS GB':>6} | {'torch s':>7} {'tok/s':>8} {'RSS GB':>6} | "
-          f"{'ratio':>6} {'|dH|':>7}")
+          f"{'step s':>7} {'tok/s':>8} {'RSS GB':>6} | {'torch s @1':>10} {'@default':>9} "
+          f"{'tok/s':>8} {'RSS GB':>6} | {'ratio':>6} {'|dH|':>7}  faster torch setting")
   print(head)
   print("-" * len(head))
   shapes = {"tiny": args.tiny_shape, "100m": args.big_shape}
@@ -301,24 +295,35 @@ def main():
       if b % GROUP or b % args.minibatches:
         raise SystemExit(f"batch {b} must be a multiple of {GROUP} and of --minibatches")
       for mode in args.modes.split(","):
-        ours = run_worker("jax", model_dir, mode, b, t, args)
-        row = (f"{name:>5} {mode:>4} {f'{b}x{t}':>8} {ours['trainable'] / 1e6:8.2f}M | "
-               f"{ours['compile_s']:9.1f} {ours['step_s']:7.3f} {ours['tokens_per_s']:8.0f} "
-               f"{ours['peak_rss'] / 1e9:6.2f} | ")
-        if args.skip_torch:
-          row += f"{'-':>7} {'-':>8} {'-':>6} | {'-':>6} {'-':>7}"
+        jobs = {"ours": worker("jax", model_dir, mode, b, t, args)}
+        jobs.update({n: worker("torch", model_dir, mode, b, t, args, n) for n in settings})
+        runs = common.interleaved(jobs, args.repeats)
+        ours = runs["ours"]
+        row = (f"{name:>5} {mode:>4} {f'{b}x{t}':>8} {ours[0]['trainable'] / 1e6:8.2f}M | "
+               f"{common.median(ours, 'compile_s'):9.1f} {common.median(ours, 'step_s'):7.3f} "
+               f"{b * t / common.median(ours, 'step_s'):8.0f} "
+               f"{max(r['peak_rss'] for r in ours) / 1e9:6.2f} | ")
+        if not settings:
+          row += f"{'-':>10} {'-':>9} {'-':>8} {'-':>6} | {'-':>6} {'-':>7}"
         else:
-          ref = run_worker("torch", model_dir, mode, b, t, args)
-          row += (f"{ref['step_s']:7.3f} {ref['tokens_per_s']:8.0f} {ref['peak_rss'] / 1e9:6.2f} | "
-                  f"{ours['tokens_per_s'] / ref['tokens_per_s']:5.2f}x "
-                  f"{abs(ours['entropy'] - ref['entropy']):7.1e}")
-        if ours.get("device_peak"):
-          row += f"  device peak: ours {ours['device_peak'] / 1e9:.2f} GB"
-          if not args.skip_torch and ref.get("device_peak"):
-            row += f", torch {ref['device_peak'] / 1e9:.2f} GB"
+          step_s = {n: common.median(runs[n], "step_s") for n in settings}
+          best = common.fastest(step_s)
+          ref = runs[best]
+          cells = [f"{step_s[n]:.3f}" if n in step_s else "-" for n in (1, 0)]
+          row += (f"{cells[0]:>10} {cells[1]:>9} {b * t / step_s[best]:8.0f} "
+                  f"{max(r['peak_rss'] for r in ref) / 1e9:6.2f} | "
+                  f"{step_s[best] / common.median(ours, 'step_s'):5.2f}x "
+                  f"{abs(ours[0]['entropy'] - ref[0]['entropy']):7.1e}  "
+                  f"{common.setting_name(best, default_threads)}")
+        device_peak = ours[0].get("device_peak")
+        if device_peak:
+          row += f"  device peak: ours {device_peak / 1e9:.2f} GB"
+          if settings and ref[0].get("device_peak"):
+            row += f", torch {ref[0]['device_peak'] / 1e9:.2f} GB"
         print(row, flush=True)
-  print("ratio = our tokens/s / PyTorch tokens/s (>1: ours faster). compile s = first call - "
-        "median step. RSS = peak resident memory of that side's process.")
+  print("ratio = our tokens/s / PyTorch's at its faster thread setting (>1: ours faster); step "
+        "times are medians over the repeats. compile s = first call - median step. RSS = peak "
+        "resident memory of that side's processes.")
 
 
 if __name__ == "__main__":
