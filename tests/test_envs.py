@@ -462,16 +462,21 @@ def test_process_pool_survives_failures_and_kills_hung_workers():
       assert [r[0] for r in results if not r[3].get("failed")] == [
           f"ok {a}" for a, r in zip("abcd", results) if not r[3].get("failed")]
     assert failures == pool.num_failures and 1 <= failures <= 20  # ~10% of 60 flaky steps.
+  sleepy = [functools.partial(_SleepyEnv, 0)] * 4
+  with envs.ProcessEnvPool(sleepy, num_workers=2, timeout_s=2.0) as pool:
     pool.reset([0, 1, 2, 3])
+    pool.step(["a", "b", "c", "d"])
     start = time.perf_counter()
     results = pool.step(["x", "y", "z", "hang"])  # Env 3 shares worker 1 with env 1.
     assert time.perf_counter() - start < 10
     assert "timed out" in results[3][3]["error"] and pool.num_timeouts == 1
-    # The killed worker's envs restart: stepping them asks for a reset; the others go on.
-    after = pool.step(["x", "y"], indices=[1, 0])
-    assert "reset it" in after[0][3]["error"]
-    pool.reset([5], indices=[1])
-    assert pool.step(["y"], indices=[1])[0][0] in ("ok y", "")
+    # The killed worker restarts; env 1 is replayed to where it was, env 3 needs a reset.
+    after = pool.step(["y", "x", "w"], indices=[1, 0, 3])
+    assert [r[0] for r in after[:2]] == ["ok y", "ok x"]
+    assert [r[3]["steps"] for r in after[:2]] == [3, 3]
+    assert "reset it" in after[2][3]["error"]
+    pool.reset([5], indices=[3])
+    assert pool.step(["v"], indices=[3])[0][0] == "ok v"
 
 
 # --- TextWorld -----------------------------------------------------------------------------------
