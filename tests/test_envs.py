@@ -490,11 +490,12 @@ def test_textworld_missing_package_error(monkeypatch):
 
 
 @needs_textworld
+@pytest.mark.parametrize("seed", [0, 900015])
 @pytest.mark.parametrize("task, level", TEXTWORLD_LEVELS)
-def test_textworld_expert_wins(task, level):
-  # One game per level: generation takes seconds; games are cached under cache_root().
+def test_textworld_expert_wins(task, level, seed):
+  # Two games per level: generation takes seconds; games are cached under cache_root().
   env = envs.make(task, level=level)
-  observation, _ = env.reset(0)
+  observation, _ = env.reset(seed)
   assert observation and "$$" not in observation
   plan = env.solve()
   assert len(plan) < env.max_steps
@@ -503,6 +504,22 @@ def test_textworld_expert_wins(task, level):
     _, _, done, info = env.step(action)
   assert done and info["won"] and not info["invalid_action"]
   env.close()
+
+
+@needs_textworld
+def test_textworld_commands_match_in_any_case():
+  """The game lists "take Comic Strip Calendar"; any casing of it is that command, and the
+  engine gets the game's spelling (it wins)."""
+  for spelling in (str.lower, str.upper, lambda c: c):
+    env = envs.make("textworld_treasure:easy")
+    env.reset(900015)
+    plan = env.solve()
+    assert any(c != c.lower() for c in plan), "the instance must have a capitalised command"
+    for action in plan:
+      _, _, done, info = env.step(spelling(action))
+      assert not info["invalid_action"], action
+    assert done and info["won"]
+    env.close()
 
 
 @needs_textworld
