@@ -307,15 +307,48 @@ class ScriptedPolicy:
     return reply, mask, state
 
 
+def expert_transcripts(make_env, instances: Sequence[Instance],
+                       stepper: Optional[EnvStepper] = None) -> list[tuple[list, list]]:
+  """(observations, actions) of the expert playing each instance until the game ends, through
+  the stepper's pool: a failing or hanging env ends its transcript there (no observation at all
+  when its reset or `solve` fails) instead of stopping the caller."""
+  stepper = stepper or EnvStepper()
+  pool = stepper.pool([inst.spec for inst in instances], make_env)
+  try:
+    resets = stepper.call(pool.reset, [inst.seed for inst in instances])
+    plans = pool.call("solve", default=None)
+    out = [([], []) for _ in instances]
+    live = []
+    for b, ((observation, info), plan) in enumerate(zip(resets, plans)):
+      if not info.get("failed") and plan is not None:
+        out[b][0].append(observation)
+        live.append(b)
+    turn = 0
+    while live := [b for b in live if turn < len(plans[b])]:
+      results = stepper.call(pool.step, [plans[b][turn] for b in live], live)
+      going = []
+      for b, (observation, _, done, info) in zip(live, results):
+        if info.get("failed"):
+          continue
+        out[b][1].append(plans[b][turn])
+        out[b][0].append(observation)
+        if not done:
+          going.append(b)
+      live, turn = going, turn + 1
+  finally:
+    pool.close()
+  return out
+
+
 def expert_episodes(chat: ChatFormat, make_env, instances: Sequence[Instance], *, max_turns: int,
-                    max_new_tokens: int, max_slots: int, pad_id: int = 0) -> EpisodeBatch:
-  """Demonstrations: the expert's actions played through the same episode loop as the policy."""
-  actions = []
-  for inst in instances:
-    env = make_env(inst.spec)
-    env.reset(inst.seed)
-    actions.append(env.solve())
-    env.close()
+                    max_new_tokens: int, max_slots: int, pad_id: int = 0,
+                    stepper: Optional[EnvStepper] = None) -> EpisodeBatch:
+  """Demonstrations: the expert's actions played through the same episode loop as the policy.
+
+  An instance whose env fails comes back with `failed` set; callers drop those.
+  """
+  actions = [acts for _, acts in expert_transcripts(make_env, instances, stepper)]
   policy = ScriptedPolicy(chat, actions, max_new_tokens, pad_id)
   return collect_episodes(policy, chat, make_env, instances, 1, max_turns=max_turns,
-                          max_new_tokens=max_new_tokens, max_slots=max_slots, pad_id=pad_id)
+                          max_new_tokens=max_new_tokens, max_slots=max_slots, stepper=stepper,
+                          pad_id=pad_id)

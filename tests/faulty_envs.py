@@ -32,6 +32,15 @@ class HangingLake(_Misbehaving):
     _NEVER.wait()
 
 
+class AlwaysHangingLake(HangingLake):
+  """Blocks forever on the second step of every instance."""
+
+  def step(self, action):
+    if self._steps == 1:
+      self.misbehave()
+    return FrozenLake.step(self, action)
+
+
 class SpinningLake(_Misbehaving):
   """Spins in a C loop that holds the GIL for minutes; only in a worker process, so a test that
   steps it in its own process fails instead of freezing."""
@@ -58,7 +67,7 @@ class RaisingLake(_Misbehaving):
     raise RuntimeError("injected environment fault")
 
 
-NAMES = {"hanglake_test": HangingLake, "spinlake_test": SpinningLake,
+NAMES = {"hanglake_test": HangingLake, "alwayshang_test": AlwaysHangingLake, "spinlake_test": SpinningLake,
          "crashlake_test": CrashingLake, "raiselake_test": RaisingLake}
 
 
