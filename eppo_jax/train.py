@@ -143,20 +143,20 @@ def _per_task(values: np.ndarray, task_ids: np.ndarray, num_tasks: int,
 
 def episode_metrics(episodes: agent.EpisodeBatch, num_tasks: int, prefix: str = "") -> tuple:
   """(global scalars, per-task arrays) of a batch of episodes."""
+  finite = np.isfinite(episodes.rewards)
+  scored = finite & ~episodes.failed  # A failed episode's return is not a score.
   per_task = {
       f"{prefix}success": _per_task(episodes.success, episodes.task_ids, num_tasks),
-      f"{prefix}reward": _per_task(episodes.rewards, episodes.task_ids, num_tasks,
-                                   np.isfinite(episodes.rewards)),
+      f"{prefix}reward": _per_task(episodes.rewards, episodes.task_ids, num_tasks, scored),
       f"{prefix}invalid_actions": _per_task(episodes.invalid_actions, episodes.task_ids,
                                             num_tasks),
       f"{prefix}turns": _per_task(episodes.turns, episodes.task_ids, num_tasks),
       f"{prefix}episode_tokens": _per_task(episodes.num_tokens, episodes.task_ids, num_tasks),
   }
-  finite = np.isfinite(episodes.rewards)
   scalars = {
       f"{prefix}success": episodes.success.mean(),
-      # Over the episodes with a finite reward: one inf must not hide the others.
-      f"{prefix}reward": episodes.rewards[finite].mean() if finite.any() else np.nan,
+      # Over the healthy episodes: one inf must not hide the others, nor a crash count as a score.
+      f"{prefix}reward": episodes.rewards[scored].mean() if scored.any() else np.nan,
       f"{prefix}env_failures": episodes.failed.sum(),
       f"{prefix}nonfinite_rewards": (~finite).sum(),
       f"{prefix}truncated": episodes.truncated.mean(),
