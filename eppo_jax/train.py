@@ -67,7 +67,13 @@ def _tokenizer_corpus(specs, per_task: int = 40, stepper=None) -> list[str]:
 def make_stepper(config) -> agent.EnvStepper:
   """How this config's environments are stepped (`config.tasks.env_backend`)."""
   t = config.tasks
-  return agent.EnvStepper(t.env_workers, t.step_timeout_s, config_check.env_backend(config))
+  backend = config_check.env_backend(config)
+  untrusted = [s for s in t.specs
+               if registry.parse_task_spec(s)[0] not in config_check.TRUSTED_TASKS]
+  if backend == "inline" and untrusted:
+    log.warning("config.tasks.env_backend='inline' cannot enforce step_timeout_s: a hang in %s "
+                "hangs the run (use 'processes')", ", ".join(untrusted))
+  return agent.EnvStepper(t.env_workers, t.step_timeout_s, backend)
 
 
 def load_model(config, workdir: Path):
