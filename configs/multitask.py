@@ -67,8 +67,14 @@ def base_config() -> ml_collections.ConfigDict:
   # System prompt: "instructions" (the task's rules; pretrained models) or "task_name" (one line;
   # the tiny model learns the format from demonstrations and cannot read rules anyway).
   c.tasks.system_prompt = "task_name"
-  c.tasks.env_workers = 0  # >0 steps environments in a thread pool (slow games like TextWorld).
-  c.tasks.step_timeout_s = 30.0  # An environment step slower than this ends its episode.
+  # How environments are stepped (docs/environments.md): "inline" (in the trainer's thread; no
+  # timeout can be enforced: trusted, fast games only), "threads" (timeout enforced, a hung call is
+  # abandoned), "processes" (timeout enforced, a hung worker is killed and replaced), or "auto":
+  # inline for the built-in grid games and Countdown, processes for anything else (TextWorld, a
+  # registered task).
+  c.tasks.env_backend = "auto"
+  c.tasks.env_workers = 0  # Threads or processes; 0 = one thread per env / one process per core.
+  c.tasks.step_timeout_s = 30.0  # An environment call slower than this ends its episode as failed.
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.instances_per_step = 16  # Task instances per RL step (summed over all hosts).
@@ -118,6 +124,10 @@ def base_config() -> ml_collections.ConfigDict:
   # TensorBoard; the run is named after the workdir and resumed with it. WANDB_MODE=offline for no
   # network.
   c.train.wandb_project = ""
+  # A workdir holds one run: rerunning it with a different config is refused (the changed fields
+  # are listed) unless only fields like train.num_steps change (eppo_jax/workdir.py), or this is
+  # True.
+  c.train.allow_config_change = False
 
   c.distributed = ml_collections.ConfigDict()
   # "auto": initialise jax.distributed when the environment describes a multi-host job
@@ -173,6 +183,7 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     c.train.checkpoint_every = 20
     c.tasks.specs = ("sokoban:medium", "frozenlake:medium", "countdown:medium",
                      "textworld_coin:easy", "textworld_treasure:easy", "textworld_cooking:easy")
+    c.tasks.env_backend = "processes"
     c.tasks.env_workers = 16
     c.tasks.system_prompt = "instructions"
   return c

@@ -17,14 +17,17 @@ inactive rows), `reply_mask` marks the generated tokens up to and including the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from eppo_jax.envs import registry
 from eppo_jax.envs.base import format_action, parse_action
 from eppo_jax.envs.pool import EnvPool
+from eppo_jax.envs.process_pool import ProcessEnvPool
 from eppo_jax.sampling import left_pad
 
 _SENTINEL = "\u2063EPPO_REPLY\u2063"  # Marks where the reply sits when rendering the template.
@@ -66,6 +69,18 @@ class EpisodeBatch:
     mask = self.loss_mask[b]
     edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(int), [0]])))
     return [tokenizer.decode(self.tokens[b, s:e]) for s, e in zip(edges[::2], edges[1::2])]
+
+
+def training_rewards(episodes: EpisodeBatch) -> np.ndarray:
+  """Rewards [B] for the update, NaN where an episode is left out: it failed (the env raised or
+  timed out), its reward is not finite, or it is the only healthy member of its group (nothing to
+  compare it with). The update gives NaN-reward episodes no loss token and no weight in their
+  group's statistics (`steps.train_step`, `objective.grpo_advantages`)."""
+  healthy = ~episodes.failed & np.isfinite(episodes.rewards)
+  groups, index = np.unique(episodes.group_ids, return_inverse=True)
+  healthy_per_group = np.bincount(index, weights=healthy, minlength=len(groups))
+  keep = healthy & (healthy_per_group[index] >= 2)
+  return np.where(keep, episodes.rewards, np.nan).astype(np.float32)
 
 
 Policy = Callable[[np.ndarray, np.ndarray, object, np.ndarray], tuple]
@@ -131,24 +146,47 @@ class ChatFormat:
     return self._encode(format_action(action)) + [self.stop_token_ids[0]]
 
 
+ENV_BACKENDS = ("inline", "threads", "processes")
+
+
 class EnvStepper:
-  """How the episode loop calls its environments: through an `envs.EnvPool` of `workers` threads
-  with a per-call timeout, or inline when `workers == 0`.
+  """How the episode loop calls its environments, one pool per batch of episodes.
+
+  * "inline": one after another in the caller's thread. `timeout_s` is NOT enforced (nothing can
+    interrupt the caller's own thread): for trusted, fast games only (the built-in grid games and
+    Countdown).
+  * "threads": an `envs.EnvPool` of `workers` threads (0: one per env) with the timeout; a hung
+    call is abandoned, not killed, and one stuck in C code holding the GIL stalls the process.
+  * "processes": an `envs.ProcessEnvPool` of `workers` processes (0: one per CPU core) with the
+    timeout; a hung worker is killed and replaced, whatever it is doing. Envs are built in the
+    workers from picklable factories (`registry.factory`).
 
   A reset or step that raises or times out ends that episode as a failure; the rest of the batch
   goes on. Each distinct failure is logged once with its traceback.
   """
 
-  def __init__(self, workers: int = 0, timeout_s: float = 30.0):
-    self.workers, self.timeout_s = workers, timeout_s
+  def __init__(self, workers: int = 0, timeout_s: float = 30.0, backend: str | None = None):
+    backend = backend or ("threads" if workers else "inline")
+    if backend not in ENV_BACKENDS:
+      raise ValueError(f"env backend must be one of {ENV_BACKENDS}, got {backend!r}")
+    self.backend, self.workers, self.timeout_s = backend, workers, timeout_s
     self._seen: set[str] = set()
     self.seconds = 0.0  # Wall time spent in environment calls, for the trainer's time split.
 
-  def pool(self, envs: Sequence) -> EnvPool:
-    return EnvPool(envs, num_workers=self.workers, timeout_s=self.timeout_s)
+  def pool(self, specs: Sequence[str], make_env: Callable[[str], object]):
+    """A pool holding one new env per spec (`make_env(spec)`), closed by the caller."""
+    if self.backend == "processes":
+      if make_env is registry.make:
+        fns = [registry.factory(spec) for spec in specs]
+      else:
+        fns = [functools.partial(make_env, spec) for spec in specs]
+      return ProcessEnvPool(fns, num_workers=self.workers or None, timeout_s=self.timeout_s)
+    envs = [make_env(spec) for spec in specs]
+    workers = 0 if self.backend == "inline" else (self.workers or None)
+    return EnvPool(envs, num_workers=workers, timeout_s=self.timeout_s)
 
   def call(self, fn: Callable, *args) -> list:
-    """`fn(*args)` (an EnvPool method), timed, with its failures logged once each."""
+    """`fn(*args)` (a pool method), timed, with its failures logged once each."""
     start = time.perf_counter()
     results = fn(*args)
     for result in results:
@@ -172,7 +210,12 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
   stepper = stepper or EnvStepper()
   episodes = [(i, inst) for i, inst in enumerate(instances) for _ in range(group_size)]
   n = len(episodes)
-  pool = stepper.pool([make_env(inst.spec) for _, inst in episodes])
+  # The system prompt comes from a local env per task: pool envs may live in other processes.
+  prompt_envs = {inst.spec: make_env(inst.spec) for _, inst in episodes}
+  systems = {spec: chat.system(env) for spec, env in prompt_envs.items()}
+  for env in prompt_envs.values():
+    env.close()
+  pool = stepper.pool([inst.spec for _, inst in episodes], make_env)
   conv = [[] for _ in range(n)]  # Token ids of each conversation, in order.
   conv_mask = [[] for _ in range(n)]  # True on generated tokens.
   pending = []  # Tokens each conversation still has to show the policy.
@@ -185,7 +228,7 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
       pending.append([])
       failed[b], active[b] = True, False
     else:
-      pending.append(chat.prompt(chat.system(pool.envs[b]), observation))
+      pending.append(chat.prompt(systems[episodes[b][1].spec], observation))
 
   state, slots = None, 0
   for _ in range(max_turns):
@@ -264,15 +307,48 @@ class ScriptedPolicy:
     return reply, mask, state
 
 
+def expert_transcripts(make_env, instances: Sequence[Instance],
+                       stepper: Optional[EnvStepper] = None) -> list[tuple[list, list]]:
+  """(observations, actions) of the expert playing each instance until the game ends, through
+  the stepper's pool: a failing or hanging env ends its transcript there (no observation at all
+  when its reset or `solve` fails) instead of stopping the caller."""
+  stepper = stepper or EnvStepper()
+  pool = stepper.pool([inst.spec for inst in instances], make_env)
+  try:
+    resets = stepper.call(pool.reset, [inst.seed for inst in instances])
+    plans = pool.call("solve", default=None)
+    out = [([], []) for _ in instances]
+    live = []
+    for b, ((observation, info), plan) in enumerate(zip(resets, plans)):
+      if not info.get("failed") and plan is not None:
+        out[b][0].append(observation)
+        live.append(b)
+    turn = 0
+    while live := [b for b in live if turn < len(plans[b])]:
+      results = stepper.call(pool.step, [plans[b][turn] for b in live], live)
+      going = []
+      for b, (observation, _, done, info) in zip(live, results):
+        if info.get("failed"):
+          continue
+        out[b][1].append(plans[b][turn])
+        out[b][0].append(observation)
+        if not done:
+          going.append(b)
+      live, turn = going, turn + 1
+  finally:
+    pool.close()
+  return out
+
+
 def expert_episodes(chat: ChatFormat, make_env, instances: Sequence[Instance], *, max_turns: int,
-                    max_new_tokens: int, max_slots: int, pad_id: int = 0) -> EpisodeBatch:
-  """Demonstrations: the expert's actions played through the same episode loop as the policy."""
-  actions = []
-  for inst in instances:
-    env = make_env(inst.spec)
-    env.reset(inst.seed)
-    actions.append(env.solve())
-    env.close()
+                    max_new_tokens: int, max_slots: int, pad_id: int = 0,
+                    stepper: Optional[EnvStepper] = None) -> EpisodeBatch:
+  """Demonstrations: the expert's actions played through the same episode loop as the policy.
+
+  An instance whose env fails comes back with `failed` set; callers drop those.
+  """
+  actions = [acts for _, acts in expert_transcripts(make_env, instances, stepper)]
   policy = ScriptedPolicy(chat, actions, max_new_tokens, pad_id)
   return collect_episodes(policy, chat, make_env, instances, 1, max_turns=max_turns,
-                          max_new_tokens=max_new_tokens, max_slots=max_slots, pad_id=pad_id)
+                          max_new_tokens=max_new_tokens, max_slots=max_slots, stepper=stepper,
+                          pad_id=pad_id)

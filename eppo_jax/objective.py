@@ -32,19 +32,22 @@ def _sum_over_devices(x, axis_name: Optional[str]):
   return x if axis_name is None else lax.psum(x, axis_name)
 
 
-def _segment_moments(x_B, seg_B, num_segments: int, axis_name: Optional[str]):
-  """(count, mean, unbiased variance, all-equal flag) per segment, over all devices."""
-  count_S = jax.ops.segment_sum(jnp.ones_like(x_B), seg_B, num_segments)
+def _segment_moments(x_B, seg_B, num_segments: int, axis_name: Optional[str], valid_B=None):
+  """(count, mean, unbiased variance, all-equal flag) per segment of the valid entries, over all
+  devices; invalid entries (`valid_B` False) count nowhere and may hold any value, even NaN."""
+  valid_B = jnp.ones(x_B.shape, bool) if valid_B is None else valid_B
+  x_B = jnp.where(valid_B, x_B, 0.0)  # NaN * 0 is NaN: invalid values must not reach a sum.
+  count_S = jax.ops.segment_sum(valid_B.astype(x_B.dtype), seg_B, num_segments)
   sum_S = jax.ops.segment_sum(x_B, seg_B, num_segments)
   count_S, sum_S = _sum_over_devices((count_S, sum_S), axis_name)
   mean_S = sum_S / jnp.maximum(count_S, 1.0)
-  dev_B = x_B - jnp.take(mean_S, seg_B, mode="clip")
+  dev_B = jnp.where(valid_B, x_B - jnp.take(mean_S, seg_B, mode="clip"), 0.0)
   sq_S = _sum_over_devices(jax.ops.segment_sum(dev_B**2, seg_B, num_segments), axis_name)
   var_S = sq_S / jnp.maximum(count_S - 1.0, 1.0)  # ddof=1, as GRPO's torch.std
   # Equality is decided from max == min, not from var == 0: the rounding of mean = sum / n
   # can leave a tiny nonzero deviation that (dev / (std + eps)) would blow up to O(1).
-  max_S = jax.ops.segment_max(x_B, seg_B, num_segments)
-  min_S = jax.ops.segment_min(x_B, seg_B, num_segments)
+  max_S = jax.ops.segment_max(jnp.where(valid_B, x_B, -jnp.inf), seg_B, num_segments)
+  min_S = jax.ops.segment_min(jnp.where(valid_B, x_B, jnp.inf), seg_B, num_segments)
   if axis_name is not None:
     max_S, min_S = lax.pmax(max_S, axis_name), lax.pmin(min_S, axis_name)
   return count_S, mean_S, var_S, max_S == min_S
@@ -80,8 +83,14 @@ def grpo_advantages(rewards_B: jax.Array,
                     num_tasks: Optional[int] = None,
                     per_task_std: bool = False,
                     eps: float = 1e-6,
-                    axis_name: Optional[str] = None) -> jax.Array:
+                    axis_name: Optional[str] = None,
+                    valid_B: Optional[jax.Array] = None) -> jax.Array:
   """Group-relative advantages [B]; singleton and all-equal groups get exactly 0.
+
+  Only valid episodes enter the statistics: `valid_B` (default all) and a finite reward. A failed
+  episode (reward NaN by the trainer's convention) or a non-finite reward gets advantage 0, and
+  its group's mean and std come from its healthy members; a group with fewer than two healthy
+  members gets 0 everywhere.
 
   `per_task_std` divides by the std of the task's rewards (all its groups) instead of the
   group's, so that tasks with very different reward scales get comparable advantages; it
@@ -91,19 +100,22 @@ def grpo_advantages(rewards_B: jax.Array,
   if estimator not in ADVANTAGE_ESTIMATORS:
     raise ValueError(f"estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)}, got {estimator!r}")
   r_B = rewards_B.astype(jnp.promote_types(rewards_B.dtype, jnp.float32))
-  count_G, mean_G, var_G, equal_G = _segment_moments(r_B, group_ids_B, num_groups, axis_name)
+  ok_B = jnp.isfinite(r_B) if valid_B is None else jnp.isfinite(r_B) & valid_B
+  r_B = jnp.where(ok_B, r_B, 0.0)
+  count_G, mean_G, var_G, equal_G = _segment_moments(r_B, group_ids_B, num_groups, axis_name,
+                                                     ok_B)
   n_B = jnp.take(count_G, group_ids_B, mode="clip")
   std_B = jnp.sqrt(jnp.take(var_G, group_ids_B, mode="clip"))
   if per_task_std:
     if task_ids is None or num_tasks is None:
       raise ValueError("per_task_std needs task_ids and num_tasks")
-    _, _, var_K, _ = _segment_moments(r_B, task_ids, num_tasks, axis_name)
+    _, _, var_K, _ = _segment_moments(r_B, task_ids, num_tasks, axis_name, ok_B)
     std_B = jnp.sqrt(jnp.take(var_K, task_ids, mode="clip"))
   adv_B = ADVANTAGE_ESTIMATORS[estimator](r_B, jnp.take(mean_G, group_ids_B, mode="clip"),
                                           std_B, n_B, eps)
   # A lone episode or a group that all scored the same carries no relative signal.
   in_range_B = (group_ids_B >= 0) & (group_ids_B < num_groups)
-  degenerate_B = (n_B < 2) | jnp.take(equal_G, group_ids_B, mode="clip") | ~in_range_B
+  degenerate_B = (n_B < 2) | jnp.take(equal_G, group_ids_B, mode="clip") | ~in_range_B | ~ok_B
   return jnp.where(degenerate_B, 0.0, adv_B)
 
 

@@ -81,14 +81,17 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
   """One RL update: old log-probs, pacing, advantages, then PPO epochs x minibatches.
 
   `batch` (this device's share): tokens / attention_mask / loss_mask [b,T], task_ids / group_ids
-  [b] int32, rewards [b] float32. Returns (new state, metrics identical on every device).
+  [b] int32, rewards [b] float32 (NaN or inf: the episode is left out). Returns (new state, metrics identical on every device).
   """
   axis = cfg.axis_name
   b = batch["tokens"].shape[0]
   if b % cfg.num_minibatches:
     raise ValueError(f"per-device batch {b} is not divisible by {cfg.num_minibatches} minibatches")
   params = lora.combine(state.trainable, frozen)
-  loss_mask_BxT = batch["loss_mask"][:, 1:]  # Position t scores token t + 1.
+  # Position t scores token t + 1. An episode with a non-finite reward (how the trainer marks a
+  # failed one) carries no loss token, so it enters neither the loss nor the task entropies.
+  valid_B = jnp.isfinite(batch["rewards"])
+  loss_mask_BxT = jnp.where(valid_B[:, None], batch["loss_mask"][:, 1:], False)
 
   # The sampling policy, re-scored teacher-forced: the ratio's denominator and the pacing signal.
   # One minibatch at a time keeps the activation memory of the old-policy pass bounded.

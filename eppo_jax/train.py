@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import json
 import logging
 import time
@@ -21,7 +20,8 @@ import ml_collections
 import numpy as np
 import optax
 
-from eppo_jax import agent, lora, objective, pacing, parallel, steps
+from eppo_jax import (agent, config_check, interrupt, lora, objective, pacing, parallel, steps,
+                      workdir as workdir_lib)
 from eppo_jax.checkpoint import Checkpointer
 from eppo_jax.envs import registry
 from eppo_jax.envs.sampler import TaskSampler
@@ -46,73 +46,34 @@ def named_keys(seed: int) -> dict:
   return {name: jax.random.fold_in(root, i) for i, name in enumerate(_KEY_PURPOSES)}
 
 
-def validate(config: ml_collections.ConfigDict) -> None:
-  """Refuses a bad config before anything is built or compiled, naming the field."""
-  if config.method not in objective.METHODS:
-    raise ValueError(f"config.method={config.method!r} is unknown; valid: {objective.METHODS}")
-  objective.method_configs(config.method, **dict(config.pacing.overrides),
-                           **dict(config.loss.overrides))
-  if config.advantage_estimator not in objective.ADVANTAGE_ESTIMATORS:
-    raise ValueError(f"config.advantage_estimator={config.advantage_estimator!r} is unknown; "
-                     f"valid: {tuple(objective.ADVANTAGE_ESTIMATORS)}")
-  if config.per_task_std and config.advantage_estimator != "grpo":
-    raise ValueError("config.per_task_std only changes advantage_estimator='grpo' (the others do "
-                     f"not divide by a std); got {config.advantage_estimator!r}")
-  if config.tasks.system_prompt not in agent.SYSTEM_PROMPTS:
-    raise ValueError(f"config.tasks.system_prompt={config.tasks.system_prompt!r}; valid: "
-                     f"{agent.SYSTEM_PROMPTS}")
-  if not config.tasks.specs:
-    raise ValueError("config.tasks.specs is empty")
-  for spec in config.tasks.specs:
-    try:
-      registry.make(spec).close()  # Unknown task or level -> an error that lists the valid ones.
-    except (KeyError, ValueError) as e:
-      raise ValueError(f"config.tasks.specs: {e}") from e
-  if config.tasks.weights and len(config.tasks.weights) != len(config.tasks.specs):
-    raise ValueError(f"config.tasks.weights has {len(config.tasks.weights)} entries for "
-                     f"{len(config.tasks.specs)} tasks")
-  r = config.rollout
-  if r.group_size < 2:
-    raise ValueError(f"config.rollout.group_size={r.group_size}: group advantages need >= 2")
-  episodes = r.instances_per_step * r.group_size
-  if episodes % jax.device_count():
-    raise ValueError(f"config.rollout.instances_per_step x group_size = {episodes} episodes is not "
-                     f"divisible by the {jax.device_count()} devices")
-  if r.instances_per_step % jax.process_count():
-    raise ValueError(f"config.rollout.instances_per_step={r.instances_per_step} does not split "
-                     f"over {jax.process_count()} hosts")
-  per_device = episodes // jax.device_count()
-  if per_device % config.optim.num_minibatches:
-    raise ValueError(f"{per_device} episodes per device are not divisible by "
-                     f"config.optim.num_minibatches={config.optim.num_minibatches}")
-  if config.loss.overrides.get("kl_coef", 0.0) and not config.model.lora_rank:
-    raise ValueError("config.loss.overrides.kl_coef needs LoRA (config.model.lora_rank > 0): the "
-                     "KL reference is the base model with the adapters switched off")
-  if r.max_new_tokens + 32 > r.max_episode_tokens:
-    raise ValueError("config.rollout.max_episode_tokens leaves no room for a prompt")
-  if config.train.wandb_project and importlib.util.find_spec("wandb") is None:
-    raise ValueError("config.train.wandb_project is set but wandb is not installed: "
-                     "pip install 'eppo_jax[wandb]'")
-  if config.train.num_steps < 0 or config.optim.ppo_epochs < 1:
-    raise ValueError("config.train.num_steps must be >= 0 and config.optim.ppo_epochs >= 1")
+validate = config_check.validate  # Kept under its old name for callers of train.validate.
 
 
-def _tokenizer_corpus(specs, per_task: int = 40) -> list[str]:
+def _tokenizer_corpus(specs, per_task: int = 40, stepper=None) -> list[str]:
   """Texts the tiny tokenizer is trained on: instructions, observations and expert replies."""
   corpus = []
   for spec in specs:
-    for seed in range(per_task):
-      env = registry.make(spec)
-      observation, _ = env.reset(10_000 + seed)
-      corpus += [env.instructions, f"Task: {env.task_name}", observation]
-      for action in env.solve():
-        corpus.append(agent.format_action(action))
-        observation, _, done, _ = env.step(action)
-        corpus.append(observation)
-        if done:
-          break
-      env.close()
+    env = registry.make(spec)
+    header = [env.instructions, f"Task: {env.task_name}"]
+    env.close()
+    instances = [agent.Instance(0, spec, 10_000 + seed) for seed in range(per_task)]
+    for observations, actions in agent.expert_transcripts(registry.make, instances, stepper):
+      corpus += header + observations[:1]
+      for action, observation in zip(actions, observations[1:]):
+        corpus += [agent.format_action(action), observation]
   return corpus
+
+
+def make_stepper(config) -> agent.EnvStepper:
+  """How this config's environments are stepped (`config.tasks.env_backend`)."""
+  t = config.tasks
+  backend = config_check.env_backend(config)
+  untrusted = [s for s in t.specs
+               if registry.parse_task_spec(s)[0] not in config_check.TRUSTED_TASKS]
+  if backend == "inline" and untrusted:
+    log.warning("config.tasks.env_backend='inline' cannot enforce step_timeout_s: a hang in %s "
+                "hangs the run (use 'processes')", ", ".join(untrusted))
+  return agent.EnvStepper(t.env_workers, t.step_timeout_s, backend)
 
 
 def load_model(config, workdir: Path):
@@ -125,7 +86,8 @@ def load_model(config, workdir: Path):
                          seed=config.seed)
     directory = Path(m.tiny_dir or workdir / "tiny_model")
     if jax.process_index() == 0:  # One writer; the other hosts read it after the barrier.
-      tiny.build_tiny_model(directory, _tokenizer_corpus(config.tasks.specs), spec)
+      tiny.build_tiny_model(directory, _tokenizer_corpus(config.tasks.specs,
+                                                         stepper=make_stepper(config)), spec)
     parallel.barrier("tiny_model")
     source = directory
   else:
@@ -185,19 +147,24 @@ class Run:
         pad_id=self.tokenizer.pad_token_id)
 
 
-def _per_task(values: np.ndarray, task_ids: np.ndarray, num_tasks: int) -> np.ndarray:
-  """Mean of `values` per task ([K], NaN for tasks absent from the batch)."""
-  sums = np.bincount(task_ids, weights=values.astype(np.float64), minlength=num_tasks)
-  counts = np.bincount(task_ids, minlength=num_tasks)
+def _per_task(values: np.ndarray, task_ids: np.ndarray, num_tasks: int,
+              valid: np.ndarray | None = None) -> np.ndarray:
+  """Mean of the `valid` `values` per task ([K], NaN for tasks with none in the batch)."""
+  valid = np.ones(len(values), bool) if valid is None else valid
+  values = np.where(valid, values, 0.0).astype(np.float64)
+  sums = np.bincount(task_ids, weights=values, minlength=num_tasks)
+  counts = np.bincount(task_ids, weights=valid.astype(np.float64), minlength=num_tasks)
   with np.errstate(invalid="ignore", divide="ignore"):
     return np.where(counts > 0, sums / counts, np.nan)
 
 
 def episode_metrics(episodes: agent.EpisodeBatch, num_tasks: int, prefix: str = "") -> tuple:
   """(global scalars, per-task arrays) of a batch of episodes."""
+  finite = np.isfinite(episodes.rewards)
+  scored = finite & ~episodes.failed  # A failed episode's return is not a score.
   per_task = {
       f"{prefix}success": _per_task(episodes.success, episodes.task_ids, num_tasks),
-      f"{prefix}reward": _per_task(episodes.rewards, episodes.task_ids, num_tasks),
+      f"{prefix}reward": _per_task(episodes.rewards, episodes.task_ids, num_tasks, scored),
       f"{prefix}invalid_actions": _per_task(episodes.invalid_actions, episodes.task_ids,
                                             num_tasks),
       f"{prefix}turns": _per_task(episodes.turns, episodes.task_ids, num_tasks),
@@ -205,17 +172,23 @@ def episode_metrics(episodes: agent.EpisodeBatch, num_tasks: int, prefix: str = 
   }
   scalars = {
       f"{prefix}success": episodes.success.mean(),
-      f"{prefix}reward": episodes.rewards.mean(),
+      # Over the healthy episodes: one inf must not hide the others, nor a crash count as a score.
+      f"{prefix}reward": episodes.rewards[scored].mean() if scored.any() else np.nan,
       f"{prefix}env_failures": episodes.failed.sum(),
+      f"{prefix}nonfinite_rewards": (~finite).sum(),
       f"{prefix}truncated": episodes.truncated.mean(),
       f"{prefix}response_tokens": episodes.loss_mask.sum(1).mean(),
   }
+  if not prefix:  # Training batches (evaluation has no groups and no update).
+    scalars["excluded_episodes"] = np.isnan(agent.training_rewards(episodes)).sum()
   return scalars, per_task
 
 
 def batch_arrays(episodes: agent.EpisodeBatch, group_offset: int) -> dict:
-  """The train_step inputs, padded to a sequence length that every host agrees on."""
+  """The train_step inputs, padded to a sequence length that every host agrees on; episodes left
+  out of the update carry a NaN reward (`agent.training_rewards`)."""
   arrays = {k: getattr(episodes, k) for k in _BATCH_KEYS}
+  arrays["rewards"] = agent.training_rewards(episodes)
   arrays["group_ids"] = arrays["group_ids"] + group_offset  # Globally unique over hosts.
   width = parallel.global_max(arrays["tokens"].shape[1])
   for key in ("tokens", "attention_mask", "loss_mask"):
@@ -244,15 +217,20 @@ def demonstrations(run: Run) -> agent.EpisodeBatch:
   return agent.expert_episodes(run.chat, registry.make,
                                instances[jax.process_index()::jax.process_count()],
                                max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,
-                               max_slots=r.max_episode_tokens, pad_id=run.tokenizer.pad_token_id)
+                               max_slots=r.max_episode_tokens, pad_id=run.tokenizer.pad_token_id,
+                               stepper=run.stepper)
 
 
 def sft_stage(run: Run, trainable, logger: MetricsLogger):
   """Supervised warm start on expert demonstrations (assistant tokens only) -> trainable."""
   s = run.config.sft
   demos = demonstrations(run)
-  log.info("SFT: %d demonstrations, %d tokens, %d trained", len(demos.rewards),
-           demos.attention_mask.sum(), demos.loss_mask.sum())
+  usable = np.flatnonzero(~demos.failed)  # An env that failed mid-demonstration: not a demo.
+  if not len(usable):
+    raise RuntimeError("every expert demonstration failed (see the environment failures above)")
+  log.info("SFT: %d demonstrations (%d failed, left out), %d tokens, %d trained", len(usable),
+           len(demos.failed) - len(usable), demos.attention_mask[usable].sum(),
+           demos.loss_mask[usable].sum())
   tx = make_optimizer(s.learning_rate, max(1, s.steps // 10), 0.0, 1.0)
   sft = jax.pmap(functools.partial(steps.sft_step, model=run.model, tx=tx, axis_name=parallel.AXIS),
                  axis_name=parallel.AXIS, donate_argnums=(0, 1))
@@ -261,12 +239,13 @@ def sft_stage(run: Run, trainable, logger: MetricsLogger):
   rng = np.random.default_rng(run.config.seed)
   per_host = max(jax.local_device_count(), s.batch_size // jax.process_count())
   per_host -= per_host % jax.local_device_count()
-  arrays = {k: getattr(demos, k) for k in ("tokens", "attention_mask", "loss_mask")}
+  arrays = {k: getattr(demos, k)[usable] for k in ("tokens", "attention_mask", "loss_mask")}
   start, loss = time.time(), float("nan")
   for i in range(s.steps):
-    pick = rng.choice(len(demos.rewards), per_host, replace=len(demos.rewards) < per_host)
+    pick = rng.choice(len(usable), per_host, replace=len(usable) < per_host)
     # Trim the batch to its longest demonstration (bucketed): fewer pad tokens, few shapes.
-    width = parallel.global_max(agent.bucket(int(demos.attention_mask[pick].sum(1).max()) + 1, 64))
+    width = parallel.global_max(agent.bucket(int(arrays["attention_mask"][pick].sum(1).max()) + 1,
+                                             64))
     batch = parallel.shard({k: v[pick, :width] for k, v in arrays.items()})
     trainable, opt_state, metrics = sft(trainable, opt_state, run.frozen, batch)
     if i % 5 == 0 or i == s.steps - 1:  # Reading the loss waits for the device: not every step.
@@ -284,10 +263,19 @@ def _summary(names, success) -> str:
 
 
 def train(config: ml_collections.ConfigDict, workdir) -> dict:
-  """Runs (or resumes) the configured job in `workdir`; returns the last logged record."""
+  """Runs (or resumes) the configured job in `workdir`; returns the last logged record.
+
+  Raises `interrupt.Interrupted` after saving a checkpoint when SIGINT or SIGTERM arrives.
+  """
   parallel.initialize(config.distributed)
-  validate(config)
-  workdir = Path(workdir)
+  config_check.validate(config)
+  workdir_lib.claim(config, workdir, write=jax.process_index() == 0)
+  with interrupt.StopRequest() as signals:
+    return _train(config, Path(workdir), signals)
+
+
+def _train(config: ml_collections.ConfigDict, workdir: Path,
+           signals: interrupt.StopRequest) -> dict:
   main = jax.process_index() == 0
   r, t = config.rollout, config.train
   specs = list(config.tasks.specs)
@@ -311,7 +299,7 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
                            opt_state=tx.init(trainable), pacing=pacing.init_pacing(len(specs)))
   sampler = TaskSampler(specs, list(config.tasks.weights) or None, seed=config.seed)
   run = Run(config, model_cfg, tokenizer, chat, parallel.replicate(frozen), specs,
-            agent.EnvStepper(config.tasks.env_workers, config.tasks.step_timeout_s))
+            make_stepper(config))
   ckpt = Checkpointer(workdir / "checkpoints", t.checkpoint_keep)
 
   def save(state, logger):
@@ -319,15 +307,16 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
                                        "config": config.to_json()})
 
   history = []
-  if ckpt.latest_step() is not None:
-    state, meta = ckpt.restore(state)
+  resumed, restored, meta = ckpt.restore_intact(state)
+  if resumed is not None:
+    state = restored
     sampler.load_state_dict(meta["sampler"])
     history = meta["history"]
-    log.info("resumed from %s at RL step %d", ckpt.directory, int(state.step))
+    log.info("resumed from %s at RL step %d", ckpt.directory / str(resumed), int(state.step))
   logger = MetricsLogger(workdir, specs, t.num_steps, tensorboard=t.tensorboard, plots=t.plots,
                          wandb_project=t.wandb_project, wandb_config=config.to_dict(),
                          write=main, history=history)
-  if ckpt.latest_step() is None:
+  if resumed is None:
     if config.sft.enabled:
       state = state.replace(trainable=sft_stage(run, state.trainable, logger))
     save(state, logger)
@@ -343,6 +332,13 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
 
   if int(parallel.unreplicate(state).step) == 0:  # Where RL starts from (after SFT).
     logger.log(0, *evaluate(run, state.trainable, eval_key, sampler))
+  if signalled := parallel.global_max(signals.signum or 0):  # During SFT: its result is saved.
+    logger.close()
+    ckpt.close()
+    raise interrupt.Interrupted(
+        f"{interrupt.signal.Signals(signalled).name}: stopped before RL step "
+        f"{int(state.step[0]) + 1}; the checkpoint in {ckpt.directory} is up to date; rerun the "
+        "same command to resume.", signalled)
   # A run resumed at its last step logs nothing new: its result is the last record it has.
   record = logger.history[-1] if logger.history else {}
   while (step := int(state.step[0]) + 1) <= t.num_steps:
@@ -372,9 +368,13 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
                     "time/update_s": total_s - play_s, "time/step_s": total_s,
                     "tokens_per_s": tokens / total_s})
 
-    bad = metrics["skipped"] > 0 or metrics["nonfinite_entropy"] > 0
+    # A step whose every episode was left out (failed envs, non-finite rewards) learned nothing.
+    empty = scalars["excluded_episodes"] == len(all_episodes.rewards)
+    bad = metrics["skipped"] > 0 or metrics["nonfinite_entropy"] > 0 or empty
     bad_steps = bad_steps + 1 if bad else 0
-    if bad:
+    if empty:
+      log.warning("step %d: every episode failed or had a non-finite reward; nothing learned", step)
+    elif bad:
       log.warning("step %d: non-finite loss, gradient or entropy; update skipped", step)
     if t.eval_every and step % t.eval_every == 0 or step == t.num_steps:
       eval_scalars, eval_per_task = evaluate(run, state.trainable, eval_key, sampler)
@@ -383,13 +383,22 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
     record = logger.log(step, scalars, per_task)
     logger.progress(step, _summary(specs, per_task["success"]))
     stop = bad_steps >= t.max_bad_steps
-    if step % t.checkpoint_every == 0 or step == t.num_steps or stop:
+    signalled = parallel.global_max(signals.signum or 0)  # Every host stops at the same step.
+    if step % t.checkpoint_every == 0 or step == t.num_steps or stop or signalled:
       save(parallel.unreplicate(state), logger)
       logger.plot()
+    if signalled and not stop and step < t.num_steps:
+      logger.close()
+      ckpt.close()
+      name = interrupt.signal.Signals(signalled).name
+      raise interrupt.Interrupted(
+          f"{name}: stopped after RL step {step} of {t.num_steps} and saved a checkpoint in "
+          f"{ckpt.directory}; rerun the same command to resume.", signalled)
     if stop:
       logger.close()
       raise FloatingPointError(
-          f"{bad_steps} consecutive RL steps had a non-finite loss, gradient or entropy (last: "
+          f"{bad_steps} consecutive RL steps had no usable episodes, or a non-finite loss, "
+          f"gradient or entropy (last: "
           f"step {step}); stopped. The checkpoint in {ckpt.directory} holds the last good "
           "parameters: lower config.optim.learning_rate or check the data, then rerun to resume.")
 

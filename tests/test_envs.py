@@ -462,16 +462,21 @@ def test_process_pool_survives_failures_and_kills_hung_workers():
       assert [r[0] for r in results if not r[3].get("failed")] == [
           f"ok {a}" for a, r in zip("abcd", results) if not r[3].get("failed")]
     assert failures == pool.num_failures and 1 <= failures <= 20  # ~10% of 60 flaky steps.
+  sleepy = [functools.partial(_SleepyEnv, 0)] * 4
+  with envs.ProcessEnvPool(sleepy, num_workers=2, timeout_s=2.0) as pool:
     pool.reset([0, 1, 2, 3])
+    pool.step(["a", "b", "c", "d"])
     start = time.perf_counter()
     results = pool.step(["x", "y", "z", "hang"])  # Env 3 shares worker 1 with env 1.
     assert time.perf_counter() - start < 10
     assert "timed out" in results[3][3]["error"] and pool.num_timeouts == 1
-    # The killed worker's envs restart: stepping them asks for a reset; the others go on.
-    after = pool.step(["x", "y"], indices=[1, 0])
-    assert "reset it" in after[0][3]["error"]
-    pool.reset([5], indices=[1])
-    assert pool.step(["y"], indices=[1])[0][0] in ("ok y", "")
+    # The killed worker restarts; env 1 is replayed to where it was, env 3 needs a reset.
+    after = pool.step(["y", "x", "w"], indices=[1, 0, 3])
+    assert [r[0] for r in after[:2]] == ["ok y", "ok x"]
+    assert [r[3]["steps"] for r in after[:2]] == [3, 3]
+    assert "reset it" in after[2][3]["error"]
+    pool.reset([5], indices=[3])
+    assert pool.step(["v"], indices=[3])[0][0] == "ok v"
 
 
 # --- TextWorld -----------------------------------------------------------------------------------
@@ -485,11 +490,12 @@ def test_textworld_missing_package_error(monkeypatch):
 
 
 @needs_textworld
+@pytest.mark.parametrize("seed", [0, 900015])
 @pytest.mark.parametrize("task, level", TEXTWORLD_LEVELS)
-def test_textworld_expert_wins(task, level):
-  # One game per level: generation takes seconds; games are cached under cache_root().
+def test_textworld_expert_wins(task, level, seed):
+  # Two games per level: generation takes seconds; games are cached under cache_root().
   env = envs.make(task, level=level)
-  observation, _ = env.reset(0)
+  observation, _ = env.reset(seed)
   assert observation and "$$" not in observation
   plan = env.solve()
   assert len(plan) < env.max_steps
@@ -498,6 +504,22 @@ def test_textworld_expert_wins(task, level):
     _, _, done, info = env.step(action)
   assert done and info["won"] and not info["invalid_action"]
   env.close()
+
+
+@needs_textworld
+def test_textworld_commands_match_in_any_case():
+  """The game lists "take Comic Strip Calendar"; any casing of it is that command, and the
+  engine gets the game's spelling (it wins)."""
+  for spelling in (str.lower, str.upper, lambda c: c):
+    env = envs.make("textworld_treasure:easy")
+    env.reset(900015)
+    plan = env.solve()
+    assert any(c != c.lower() for c in plan), "the instance must have a capitalised command"
+    for action in plan:
+      _, _, done, info = env.step(spelling(action))
+      assert not info["invalid_action"], action
+    assert done and info["won"]
+    env.close()
 
 
 @needs_textworld

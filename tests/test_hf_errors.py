@@ -10,6 +10,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import eppo_jax
+from pipeline_util import smoke_tiny_dir  # pylint: disable=unused-import
 
 VICTIM = "model.layers.1.mlp.up_proj.weight"
 
@@ -143,3 +144,37 @@ def test_file_instead_of_directory(checkpoint):
   """Passing config.json itself (a file) asks for the directory instead."""
   with pytest.raises(ValueError, match="model directory"):
     eppo_jax.load_pretrained(checkpoint / "config.json", with_tokenizer=False)
+
+
+def test_truncated_shard_is_named(checkpoint):
+  """A shard cut short (an interrupted download) is refused naming the file, not just
+  "incomplete metadata"."""
+  shard = _shard_of(checkpoint, VICTIM)
+  data = shard.read_bytes()
+  shard.write_bytes(data[:len(data) // 2])
+  with pytest.raises(ValueError, match=f"{shard}: unreadable safetensors file"):
+    eppo_jax.load_pretrained(checkpoint, with_tokenizer=False)
+
+
+def test_garbage_weights_file_is_named(smoke_tiny_dir, tmp_path):
+  """A single model.safetensors that is not a safetensors file at all names the file."""
+  model = shutil.copytree(smoke_tiny_dir, tmp_path / "model")
+  (model / "model.safetensors").write_bytes(b"\xff" * 64 + b"not a safetensors file")
+  with pytest.raises(ValueError, match=r"model\.safetensors: unreadable safetensors file"):
+    eppo_jax.load_pretrained(model, with_tokenizer=False)
+  data = (smoke_tiny_dir / "model.safetensors").read_bytes()
+  (model / "model.safetensors").write_bytes(data[:len(data) - 100])  # Truncated tensor data.
+  with pytest.raises(ValueError, match=r"model\.safetensors: unreadable safetensors file"):
+    eppo_jax.load_pretrained(model, with_tokenizer=False)
+
+
+def test_folder_without_tokenizer_is_refused(hf_checkpoints, smoke_tiny_dir, tmp_path):
+  """A Qwen2 folder with weights but no tokenizer files is refused, naming the files it needs,
+  instead of loading a tokenizer that encodes everything to nothing."""
+  _, qwen2 = hf_checkpoints("qwen2_oldstyle")
+  assert not list(qwen2.glob("tokenizer*")) and not (qwen2 / "vocab.json").exists()
+  with pytest.raises(FileNotFoundError, match=r"no tokenizer files \(needs tokenizer\.json"):
+    eppo_jax.load_pretrained(qwen2)
+  # Control: the same check passes on a folder that has its tokenizer.
+  tokenizer = eppo_jax.load_pretrained(smoke_tiny_dir).tokenizer
+  assert tokenizer("hello world", add_special_tokens=False)["input_ids"]

@@ -46,18 +46,20 @@ def np_clipped_objective(logp, old, adv, mask, task_ids, eps_low, eps_high, dual
   return sum(per_seq) / max(len(per_seq), 1)
 
 
-def np_grpo_advantages(rewards, groups, estimator="grpo", eps=1e-6, task_ids=None):
+def np_grpo_advantages(rewards, groups, estimator="grpo", eps=1e-6, task_ids=None, valid=None):
+  """Loop-by-loop reference; only `valid` entries with a finite reward count anywhere."""
+  ok = np.isfinite(rewards) & (np.ones(len(rewards), bool) if valid is None else valid)
   out = np.zeros(len(rewards))
   for i, (r, g) in enumerate(zip(rewards, groups)):
-    members = rewards[groups == g].astype(np.float64)
-    if len(members) < 2 or np.all(members == members[0]):
+    members = rewards[(groups == g) & ok].astype(np.float64)
+    if not ok[i] or len(members) < 2 or np.all(members == members[0]):
       continue
     if estimator == "rloo":
       out[i] = r - (members.sum() - r) / (len(members) - 1)
     elif estimator == "drgrpo":
       out[i] = r - members.mean()
     else:
-      pool = members if task_ids is None else rewards[task_ids == task_ids[i]]
+      pool = members if task_ids is None else rewards[(task_ids == task_ids[i]) & ok]
       out[i] = (r - members.mean()) / (np.std(pool, ddof=1) + eps)
   return out
 
@@ -357,6 +359,38 @@ def test_per_task_std():
     grpo_advantages(rewards, groups, 6, per_task_std=True)
   with pytest.raises(ValueError, match="estimator"):
     grpo_advantages(rewards, groups, 6, estimator="ppo")
+
+
+@pytest.mark.parametrize("estimator", sorted(ADVANTAGE_ESTIMATORS))
+@pytest.mark.parametrize("per_task_std", [False, True])
+def test_failed_and_nonfinite_episodes_are_left_out(estimator, per_task_std):
+  """Failed (valid=False) and NaN / +-inf episodes get 0 and count in no group's statistics."""
+  rng = np.random.default_rng(19)
+  groups = np.repeat(np.arange(6), 4)
+  tasks = np.repeat([0, 1, 2, 0, 1, 2], 4)
+  rewards = rng.normal(size=24).astype(np.float32)
+  rewards[[1, 9, 22]] = [np.nan, np.inf, -np.inf]  # Groups 0, 2, 5.
+  valid = np.ones(24, bool)
+  valid[[2, 13]] = False  # Failed episodes: group 0 keeps 2 healthy members, group 3 keeps 3.
+  valid[[16, 17, 18]] = False  # Group 4 keeps one healthy member: contributes nothing.
+  rewards[4:8] = [0.3, 0.3, 0.3, 5.0]
+  valid[7] = False  # Group 1's healthy members all equal: 0 despite the failed outlier.
+  kw = dict(task_ids=tasks, num_tasks=3, per_task_std=per_task_std)
+  got = np.asarray(grpo_advantages(rewards, groups, 6, estimator=estimator, valid_B=valid, **kw))
+  ref = np_grpo_advantages(rewards, groups, estimator, task_ids=tasks if per_task_std else None,
+                           valid=valid)
+  np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
+  healthy = valid & np.isfinite(rewards)
+  assert np.all(got[~healthy] == 0.0) and np.all(got[4:8] == 0.0) and np.all(got[16:20] == 0.0)
+  assert np.count_nonzero(got) == 11  # Groups 0, 2, 3, 5 (2 + 3 + 3 + 3 healthy) still learn.
+  # The same as computing on the healthy episodes alone.
+  alone = np.asarray(grpo_advantages(rewards[healthy], groups[healthy], 6, estimator=estimator,
+                                     **dict(kw, task_ids=tasks[healthy])))
+  np.testing.assert_allclose(got[healthy], alone, atol=1e-6)
+  # NaN / inf alone (no valid_B) mark the episode too.
+  no_mask = np.asarray(grpo_advantages(rewards, groups, 6, estimator=estimator, **kw))
+  np.testing.assert_allclose(no_mask, np_grpo_advantages(
+      rewards, groups, estimator, task_ids=tasks if per_task_std else None), atol=1e-5)
 
 
 @settings(max_examples=25, deadline=None)

@@ -211,19 +211,44 @@ def test_train_step_is_the_same_on_1_and_4_devices():
   assert max(float(np.abs(x - y).max()) for x, y in zip(first, last)) > 1e-3
 
 
-def test_nan_reward_skips_the_update_bit_for_bit():
-  """A NaN reward: the update is skipped and params and optimizer state are left unchanged."""
+def test_nonfinite_rewards_are_left_out_of_the_update():
+  """NaN / inf reward rows carry no loss token and no weight: what they hold cannot change the
+  update (bit for bit), while changing a healthy row does."""
   fn, tx = _p_train(D, 2)
   state = _replicate(_initial_state(tx), D)
-  warm, _ = fn(state, {}, _layout(_batch(0), D, 2), _replicate(jax.random.PRNGKey(1), D))
-  warm = jax.device_get(warm)  # A state with non-trivial Adam moments.
+  key = _replicate(jax.random.PRNGKey(2), D)
   bad = _batch(1)
-  bad["rewards"][[5, 12]] = np.nan  # One in each global minibatch (rows 0-7 and 8-15).
-  new, metrics = fn(warm, {}, _layout(bad, D, 2), _replicate(jax.random.PRNGKey(2), D))
-  new, metrics = jax.device_get((new, metrics))
-  assert (metrics["skipped"] == 2).all()  # Both minibatch updates.
-  assert_trees_equal(new.trainable, warm.trainable)
-  assert_trees_equal(new.opt_state, warm.opt_state)
+  bad["rewards"][[5, 9, 12]] = [np.nan, np.inf, -np.inf]
+  new, metrics = jax.device_get(fn(state, {}, _layout(bad, D, 2), key))
+  assert (metrics["skipped"] == 0).all()
+  healthy = np.isfinite(bad["rewards"])
+  counted = np.bincount(bad["task_ids"], weights=(bad["loss_mask"][:, 1:] & healthy[:, None]).sum(1),
+                        minlength=K)
+  np.testing.assert_array_equal(metrics["token_count_K"][0], counted)
+  valid = healthy.copy()
+  ref = np_advantages(bad["rewards"], bad["group_ids"], valid)
+  np.testing.assert_allclose(metrics["advantage_abs_mean"][0], np.abs(ref).mean(), rtol=1e-5)
+  other = {k: v.copy() for k, v in bad.items()}
+  rng = np.random.default_rng(7)
+  other["tokens"][[5, 9, 12]] = rng.integers(1, MODEL.vocab_size, size=(3, T))
+  other["rewards"][[5, 9, 12]] = [-np.inf, np.nan, np.nan]
+  same, _ = jax.device_get(fn(state, {}, _layout(other, D, 2), key))
+  assert_trees_equal(same.trainable, new.trainable)
+  control = {k: v.copy() for k, v in bad.items()}
+  control["tokens"][6] = rng.integers(1, MODEL.vocab_size, size=T)
+  changed, _ = jax.device_get(fn(state, {}, _layout(control, D, 2), key))
+  assert any(not np.array_equal(x, y) for x, y in zip(jax.tree_util.tree_leaves(changed.trainable),
+                                                      jax.tree_util.tree_leaves(new.trainable)))
+
+
+def np_advantages(rewards, groups, valid, eps=1e-6):
+  """GRPO advantages over the valid members of each group (0 elsewhere), loop by loop."""
+  out = np.zeros(len(rewards))
+  for i, g in enumerate(groups):
+    members = rewards[(groups == g) & valid].astype(np.float64)
+    if valid[i] and len(members) >= 2 and not np.all(members == members[0]):
+      out[i] = (rewards[i] - members.mean()) / (members.std(ddof=1) + eps)
+  return out
 
 
 def _numpy_advantages(rewards, group_ids, task_ids, estimator, per_task_std, eps=1e-6):
@@ -275,7 +300,8 @@ class _NanLake(FrozenLake):
 
 def test_loop_stops_after_max_bad_steps_with_a_usable_checkpoint(smoke_tiny_dir, compile_cache,
                                                                   tmp_path):
-  """Consecutive non-finite steps stop the run (FloatingPointError) with a usable checkpoint."""
+  """Steps whose every episode has a NaN reward (all left out) stop the run after
+  max_bad_steps (FloatingPointError), with a usable checkpoint."""
   del compile_cache
   registry.register("nanlake_test", _NanLake, overwrite=True)
   config = smoke_config(smoke_tiny_dir, **LEAN, **{
@@ -291,9 +317,10 @@ def test_loop_stops_after_max_bad_steps_with_a_usable_checkpoint(smoke_tiny_dir,
   stopped, meta = ckpt.restore(like)
   start, _ = ckpt.restore(like, step=0)
   assert int(stopped.step) == 2
-  assert_trees_equal(stopped.trainable, start.trainable)  # Every update was skipped.
+  assert_trees_equal(stopped.trainable, start.trainable)  # Nothing was learned.
   assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(stopped))
-  assert [r["skipped"] > 0 for r in meta["history"] if "skipped" in r] == [True, True]
+  assert [r["excluded_episodes"] for r in meta["history"] if "loss" in r] == [8, 8]
+  assert [r["nonfinite_rewards"] for r in meta["history"] if "loss" in r] == [8, 8]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -315,6 +342,15 @@ jax.monitoring.register_event_duration_secs_listener(
     ({"tasks.weights": (1.0, 2.0)}, "config.tasks.weights"),
     ({"advantage_estimator": "ppo"}, "config.advantage_estimator"),
     ({"advantage_estimator": "rloo", "per_task_std": True}, "config.per_task_std"),
+    ({"optim.learning_rate": -1e-3}, "config.optim.learning_rate=-0.001 must be > 0"),
+    ({"sft.learning_rate": float("nan")}, "config.sft.learning_rate=nan"),
+    ({"train.checkpoint_every": 0}, "config.train.checkpoint_every=0 must be >= 1"),
+    ({"rollout.temperature": 0.0}, "config.rollout.temperature=0.0 must be > 0"),
+    ({"rollout.top_p": 1.5}, "config.rollout.top_p"),
+    ({"tasks.step_timeout_s": 0.0}, "config.tasks.step_timeout_s"),
+    ({"tasks.env_backend": "gpu"}, "config.tasks.env_backend"),
+    ({"model.dtype": "float8"}, "config.model.dtype"),
+    ({"train.max_bad_steps": 0}, "config.train.max_bad_steps"),
 ])
 def test_bad_config_fails_before_compiling(tmp_path, overrides, field):
   """A bad config raises ValueError naming the field, before any model is built or compiled."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import concurrent.futures as cf
+import queue
 import threading
 import time
 import traceback
@@ -18,17 +18,20 @@ def failure_info(error: str) -> dict:
 
 
 class EnvPool:
-  """Runs `reset`/`step` on a list of envs with a thread pool and a per-call timeout.
+  """Runs `reset`/`step` on a list of envs in threads (or inline), with a per-call timeout.
 
-  Threads, not processes: TextWorld's game engine is a C library that releases the GIL, so
-  threads overlap its work, while a process pool would have to pickle envs that hold live
-  engines (see bench/envs.py for the measurement). A failed or timed-out call returns a marker,
-  `("", 0.0, True, failure_info(...))` for `step`, `("", failure_info(...))` for `reset`, so the
-  batch goes on. Python cannot kill a thread: a timed-out env stays "busy" (further calls on it
-  fail fast) until its call returns, and a call that never returns also delays interpreter exit.
+  Threads overlap engines that release the GIL, and envs need not be picklable. A failed or
+  timed-out call returns a marker, `("", 0.0, True, failure_info(...))` for `step`,
+  `("", failure_info(...))` for `reset`, so the batch goes on. Python cannot kill a thread: a
+  timed-out call is abandoned (its env stays "busy", and further calls on it fail fast, until it
+  returns) and a fresh thread takes its place, so the other calls of the batch still run. Every
+  thread is a daemon that lives for one batch of calls, so an abandoned one never delays the
+  interpreter's exit. A call stuck in C code that holds the GIL stalls the whole process: only
+  `ProcessEnvPool` contains that.
 
-  `num_workers=0` runs the calls one after another in the caller's thread, with the same failure
-  markers but no timeout: the cheapest way to step fast games (the grid games, Countdown).
+  `num_workers=0` runs the calls one after another in the caller's thread: the cheapest way to
+  step fast, trusted games (the grid games, Countdown), with the same failure markers but NO
+  timeout, since nothing can interrupt the caller's own thread.
   """
 
   def __init__(self, envs: Sequence[TextEnv], num_workers: int | None = None,
@@ -36,12 +39,11 @@ class EnvPool:
     self.envs = list(envs)
     self.timeout_s = float(timeout_s)
     self.num_workers = max(1, len(self.envs)) if num_workers is None else num_workers
-    self._executor = (cf.ThreadPoolExecutor(self.num_workers, thread_name_prefix="env")
-                      if self.num_workers else None)
-    self._busy: set[int] = set()
+    self._busy: set[int] = set()  # Envs whose (timed-out) call has not returned yet.
     self._lock = threading.Lock()
     self.num_failures = 0
     self.num_timeouts = 0
+    self.num_abandoned_threads = 0  # Threads left behind in a timed-out call.
 
   def reset(self, seeds: Sequence[int], indices: Sequence[int] | None = None) -> list[tuple]:
     """`env.reset(seed)` for each selected env (default: all, in order)."""
@@ -67,42 +69,65 @@ class EnvPool:
     return self.map(lambda env: getattr(env, method)(), indices, default)
 
   def _run(self, calls: list[tuple[int, Callable]], on_failure: Callable[[str], Any]) -> list:
-    if self._executor is None:
+    if not self.num_workers:
       return [self._inline(fn, self.envs[i], on_failure) for i, fn in calls]
     results: list[Any] = [None] * len(calls)
-    started: dict[int, float] = {}  # Position in `calls` -> start time, set by the worker thread.
-    pending: dict[cf.Future, int] = {}
-    for pos, (i, fn) in enumerate(calls):
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    remaining = set()
+    for pos, (i, _) in enumerate(calls):
       with self._lock:
         busy = i in self._busy
       if busy:
         results[pos] = self._fail(on_failure, f"env {i} is still running a timed-out call")
-        continue
-      pending[self._executor.submit(self._timed, started, pos, fn, self.envs[i])] = pos
-    # A call still queued this long means the workers are stuck on timed-out calls.
-    queue_deadline = time.monotonic() + self.timeout_s * (len(calls) // self.num_workers + 2)
-    while pending:
-      now = time.monotonic()
-      waits = [started[p] + self.timeout_s - now for p in pending.values() if p in started]
-      finished, _ = cf.wait(list(pending), timeout=max(0.0, min(waits, default=0.05)),
-                            return_when=cf.FIRST_COMPLETED)
-      for future in finished:
-        pos = pending.pop(future)
+      else:
+        todo.put(pos)
+        remaining.add(pos)
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    started: dict[int, float] = {}  # Position in `calls` -> start time, set by the worker.
+
+    def work() -> None:
+      while True:
         try:
-          results[pos] = future.result()
+          pos = todo.get_nowait()
+        except queue.Empty:
+          return
+        i, fn = calls[pos]
+        with self._lock:
+          self._busy.add(i)
+          started[pos] = time.monotonic()
+        try:
+          outcome = (True, fn(self.envs[i]))
         except Exception:  # The marker carries the traceback; the batch goes on.
-          results[pos] = self._fail(on_failure, traceback.format_exc())
+          outcome = (False, traceback.format_exc())
+        with self._lock:
+          self._busy.discard(i)
+        done.put((pos, outcome))
+
+    def spawn() -> None:
+      threading.Thread(target=work, name="env", daemon=True).start()
+
+    for _ in range(min(self.num_workers, len(remaining))):
+      spawn()
+    while remaining:
+      with self._lock:
+        deadlines = [started[p] + self.timeout_s for p in remaining if p in started]
+      wait_s = min(deadlines, default=time.monotonic() + 0.05) - time.monotonic()
+      try:
+        pos, (ok, value) = done.get(timeout=max(1e-3, wait_s))
+        if pos in remaining:  # Not a call that already timed out.
+          remaining.discard(pos)
+          results[pos] = value if ok else self._fail(on_failure, value)
+      except queue.Empty:
+        pass
       now = time.monotonic()
-      for future, pos in list(pending.items()):
-        if pos in started and now - started[pos] > self.timeout_s:
-          del pending[future]
-          self._mark_busy(calls[pos][0], future)
-          self.num_timeouts += 1
-          results[pos] = self._fail(on_failure, f"timed out after {self.timeout_s:.1f}s")
-        elif pos not in started and now > queue_deadline and future.cancel():
-          del pending[future]
-          self.num_timeouts += 1
-          results[pos] = self._fail(on_failure, "never started: all workers are stuck")
+      with self._lock:
+        late = [p for p in remaining if p in started and now - started[p] > self.timeout_s]
+      for pos in late:
+        remaining.discard(pos)
+        self.num_timeouts += 1
+        self.num_abandoned_threads += 1
+        results[pos] = self._fail(on_failure, f"timed out after {self.timeout_s:.1f}s")
+        spawn()  # Replaces the stuck thread, so the queued calls still run.
     return results
 
   def _inline(self, fn: Callable, env: TextEnv, on_failure: Callable[[str], Any]) -> Any:
@@ -111,29 +136,17 @@ class EnvPool:
     except Exception:  # The marker carries the traceback; the batch goes on.
       return self._fail(on_failure, traceback.format_exc())
 
-  @staticmethod
-  def _timed(started: dict, pos: int, fn: Callable, env: TextEnv) -> Any:
-    started[pos] = time.monotonic()
-    return fn(env)
-
-  def _mark_busy(self, i: int, future: cf.Future) -> None:
-    with self._lock:
-      self._busy.add(i)
-
-    def release(_):
-      with self._lock:
-        self._busy.discard(i)
-    future.add_done_callback(release)
-
   def _fail(self, on_failure: Callable[[str], Any], error: str) -> Any:
     self.num_failures += 1
     return on_failure(error)
 
   def close(self) -> None:
-    """Stop the workers (does not wait for timed-out calls) and close the envs."""
-    if self._executor is not None:
-      self._executor.shutdown(wait=False, cancel_futures=True)
-    for env in self.envs:
+    """Close the envs (an env still inside a timed-out call is left alone)."""
+    with self._lock:
+      busy = set(self._busy)
+    for i, env in enumerate(self.envs):
+      if i in busy:
+        continue
       try:
         env.close()
       except Exception:  # Closing is best effort: a broken env must not block the others.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import multiprocessing.connection as mpc
+import signal
 import time
 import traceback
 from typing import Any, Callable, Sequence
@@ -23,6 +24,8 @@ def _build(env_fn: EnvFn) -> TextEnv:
 
 def _serve(conn, env_fns: dict[int, EnvFn]) -> None:
   """Worker loop: build the envs, say "ready", then answer (index, method, args) messages."""
+  # Ctrl-C reaches the whole process group: the trainer decides when to stop, and closes us.
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
   envs: dict[int, TextEnv] = {}
   errors: dict[int, str] = {}
   for index, env_fn in env_fns.items():
@@ -53,8 +56,11 @@ class ProcessEnvPool:
   TextWorld spends about two thirds of a step in Python (its state tracking holds the GIL), so
   threads barely overlap it while processes scale with cores. Envs never cross process
   boundaries: give task specs ("textworld_coin:easy") or picklable zero-argument factories.
-  A call past `timeout_s` kills its worker; the worker restarts with fresh envs, and until
-  they are reset, stepping them returns the failure marker. Workers start with "forkserver"
+  A call past `timeout_s` kills its worker, whatever the call is doing (a loop in C that holds
+  the GIL included); the worker restarts with fresh envs, and the other envs it held are brought
+  back to where they were by replaying their seed and actions (envs are deterministic given both,
+  see `TextEnv`), so only the env that hung fails; until it is reset, stepping it returns the
+  failure marker. Workers are daemons, killed by `close`. Workers start with "forkserver"
   so they do not inherit the parent's threads (JAX's, for one); as with any non-fork start
   method, a script creating the pool must guard its entry point with
   `if __name__ == "__main__":` (workers re-import the main module).
@@ -75,6 +81,9 @@ class ProcessEnvPool:
     for w in range(self.num_workers):
       self._await_ready(w)
     self._needs_reset: set[int] = set()
+    # [seed, actions so far, last result] of each env since its last good reset: a restart
+    # replays the actions and checks that the last result comes back the same.
+    self._history: dict[int, list] = {}
     self.num_failures = 0
     self.num_timeouts = 0
 
@@ -136,7 +145,7 @@ class ProcessEnvPool:
         try:
           self._workers[w][1].send(calls[pos])
         except (BrokenPipeError, OSError):  # The worker died between calls.
-          self._restart(w)
+          self._restart(w, culprit=i)
           results[pos] = self._fail(on_failure, f"worker {w} died; its envs were restarted")
           continue
         in_flight[w] = (pos, time.monotonic())
@@ -156,26 +165,73 @@ class ProcessEnvPool:
             status, value = conn.recv()
           except (EOFError, OSError):  # The worker died (e.g. a crash inside the C engine).
             status, value = "error", f"worker {w} died"
-            self._restart(w)
+            self._restart(w, culprit=calls[pos][0])
           del in_flight[w]
+          self._record(calls[pos], status == "ok", value)
           results[pos] = value if status == "ok" else self._fail(on_failure, value)
           send_next(w)
         elif time.monotonic() - start > self.timeout_s:
           del in_flight[w]
           self.num_timeouts += 1
-          self._restart(w)
+          self._restart(w, culprit=calls[pos][0])
           results[pos] = self._fail(on_failure, f"timed out after {self.timeout_s:.1f}s")
           send_next(w)
     return results
 
-  def _restart(self, w: int) -> None:
+  def _record(self, call: tuple[int, str, tuple], ok: bool, value: Any) -> None:
+    """Keeps the replay history of env `i` up to date with a finished call."""
+    i, method, args = call
+    if method not in ("reset", "step"):
+      return
+    if not ok:
+      self._history.pop(i, None)  # Its state is unknown: never replayed.
+    elif method == "reset":
+      self._history[i] = [args[0], [], value]
+    elif i in self._history:
+      self._history[i][1].append(args[0])
+      self._history[i][2] = value
+
+  def _restart(self, w: int, culprit: int | None = None) -> None:
+    """Kill worker `w`, start a fresh one, and replay its envs other than `culprit`."""
+    self._kill(w)
+    self._workers[w] = self._spawn(w)
+    self._await_ready(w)
+    mine = [i for i in range(len(self.env_fns)) if i % self.num_workers == w]
+    if culprit is not None:
+      self._history.pop(culprit, None)
+    for i in mine:
+      if i in self._history and not self._replay(w, i):
+        # Replaying hung or failed too: give up on this worker's envs rather than loop.
+        self._kill(w)
+        self._workers[w] = self._spawn(w)
+        self._await_ready(w)
+        for j in mine:
+          self._history.pop(j, None)
+        break
+    self._needs_reset.update(i for i in mine if i not in self._history)
+
+  def _replay(self, w: int, i: int) -> bool:
+    """Reset env `i` in worker `w` to its seed and replay its actions; False if any call fails or
+    the replay ends elsewhere than the original."""
+    seed, actions, last = self._history[i]
+    conn = self._workers[w][1]
+    try:
+      for method, args in [("reset", (seed,))] + [("step", (a,)) for a in actions]:
+        conn.send((i, method, args))
+        if not conn.poll(self.timeout_s):
+          return False
+        status, value = conn.recv()
+        if status != "ok":
+          return False
+    except (EOFError, OSError):
+      return False
+    return value == last  # Else the env is not deterministic: its state cannot be trusted.
+
+  def _kill(self, w: int) -> None:
     process, conn = self._workers[w]
     process.kill()
     process.join(5)
     conn.close()
-    self._workers[w] = self._spawn(w)
-    self._await_ready(w)
-    self._needs_reset.update(i for i in range(len(self.env_fns)) if i % self.num_workers == w)
 
   def _fail(self, on_failure: Callable[[str], Any], error: str) -> Any:
     self.num_failures += 1

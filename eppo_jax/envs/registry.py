@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 from eppo_jax.envs.base import TextEnv
@@ -48,6 +49,15 @@ def make(spec: str, level: str | None = None, **kwargs) -> TextEnv:
   if name not in _FACTORIES:
     raise _unknown(name)
   return _FACTORIES[name](level=spec_level or level, **kwargs)
+
+
+def factory(spec: str) -> Callable[[], TextEnv]:
+  """A zero-argument factory of `make(spec)` that pickles (for worker processes) when the
+  registered factory does, e.g. a class defined at module level."""
+  name, level = parse_task_spec(spec)
+  if name not in _FACTORIES:
+    raise _unknown(name)
+  return functools.partial(_FACTORIES[name], level=level)
 
 
 def task_levels(name: str) -> list[str]:

@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from eppo_jax.envs.base import TextEnv, Transition
+from eppo_jax.envs.base import TextEnv, Transition, normalize_action
 
 # TextWorld parses games with a global parser that is not thread-safe: generating, loading and
 # resetting games take this lock (stepping does not need it).
@@ -160,11 +160,14 @@ class TextWorldEnv(TextEnv):
     return f"{feedback}\nValid commands: {', '.join(self.admissible_actions())}"
 
   def _step(self, action: str) -> Transition:
-    if action not in self._state.admissible_commands:
+    # `action` arrives normalised (lower case, single spaces); the game lists commands in its own
+    # spelling ("take Comic Strip Calendar"), and the engine gets that spelling.
+    command = {normalize_action(c): c for c in self._state.admissible_commands}.get(action)
+    if command is None:
       # Unknown commands never reach the game engine: it gets only text it can parse.
       return self.invalid(self._observe(f"'{action[:40]}' is not a valid command here."))
     score = self._state.score
-    self._state, _, done = self.game.step(action)
+    self._state, _, done = self.game.step(command)
     max_score = max(1, self._state.max_score or 1)
     reward = (self._state.score - score) / max_score
     feedback = clean_feedback(self._state.feedback)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -11,7 +12,7 @@ from typing import Any, Iterator, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from eppo_jax.models.config import ModelConfig
@@ -194,6 +195,17 @@ def _aligned_empty(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.nda
   return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
+@contextlib.contextmanager
+def _open_weights(file: Path):
+  """`safe_open(file)`, with any read error (a truncated or corrupt file) naming the file."""
+  try:
+    with safe_open(file, framework="numpy") as f:
+      yield f
+  except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+    raise ValueError(f"{file}: unreadable safetensors file ({type(e).__name__}: {e}); it may be "
+                     "truncated or corrupt: download or export it again") from e
+
+
 def load_params(model_dir: Path, config: ModelConfig) -> dict:
   """Reads every tensor once, stacking layers in place; refuses partial or mis-shaped checkpoints."""
   tensor_map = _tensor_map(config)
@@ -203,7 +215,7 @@ def load_params(model_dir: Path, config: ModelConfig) -> dict:
   for file in files:
     if not file.exists():
       raise FileNotFoundError(f"{file}: shard listed in the index is missing")
-    with safe_open(file, framework="numpy") as f:
+    with _open_weights(file) as f:
       for name in f.keys():
         where[name] = file
         shapes[name] = tuple(f.get_slice(name).get_shape())
@@ -232,7 +244,7 @@ def load_params(model_dir: Path, config: ModelConfig) -> dict:
     for name, slot in entries:
       # Open per tensor: the file is memory-mapped, and closing unmaps the pages just read, so
       # they do not accumulate in the process's resident set.
-      with safe_open(where[name], framework="numpy") as f:
+      with _open_weights(where[name]) as f:
         tensor = f.get_tensor(name)
       tensor = tensor.T if slot.transpose else tensor
       if buffer is None:
@@ -295,9 +307,23 @@ def export_hf(params, config: ModelConfig, out_dir, tokenizer=None,
   return out_dir
 
 
+# Files from which `AutoTokenizer` builds a tokenizer: any one of these sets.
+TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))
+
+
 def load_tokenizer(model_dir: Path):
+  """The directory's own tokenizer; refuses a directory without a usable one, naming what is
+  missing (transformers would otherwise build an empty tokenizer, or ask for sentencepiece)."""
   from transformers import AutoTokenizer  # pylint: disable=g-import-not-at-top
+  model_dir = Path(model_dir)
+  if not any(all((model_dir / f).exists() for f in files) for files in TOKENIZER_FILES):
+    wanted = " or ".join(" + ".join(files) for files in TOKENIZER_FILES)
+    raise FileNotFoundError(f"{model_dir} has no tokenizer files (needs {wanted}); copy them from "
+                            "the model's source, or pass with_tokenizer=False")
   tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+  if not tokenizer("hello world", add_special_tokens=False)["input_ids"]:
+    raise ValueError(f"the tokenizer in {model_dir} encodes 'hello world' to nothing "
+                     f"({len(tokenizer)} tokens in its vocabulary): its files are incomplete")
   if tokenizer.pad_token_id is None:
     # Padding positions are always masked, so any id works; EOS keeps the vocabulary unchanged.
     tokenizer.pad_token = tokenizer.eos_token

@@ -1,0 +1,198 @@
+"""The run survives its failures: one run per workdir, damaged checkpoints, signals, hung envs."""
+
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import faulty_envs  # pylint: disable=unused-import  (registers the faulty tasks)
+from eppo_jax import train, workdir
+from eppo_jax.checkpoint import Checkpointer, NoIntactCheckpoint
+from pipeline_util import (ROOT, assert_trees_equal, compile_cache, smoke_config, smoke_tiny_dir,
+                           state_like)
+
+LEAN = {"train.tensorboard": False, "train.plots": False, "train.export_hf": False}
+
+
+def _records(path) -> list[dict]:
+  with open(path / "metrics.jsonl", encoding="utf-8") as f:
+    return [json.loads(line) for line in f]
+
+
+# ----------------------------------------------------------------------------------------------
+# One run per workdir.
+
+
+def test_rerun_with_another_config_is_refused_before_writing(tmp_path):
+  """A changed method / learning rate / model size is refused, listing the fields; nothing in
+  the workdir changes."""
+  config = smoke_config(tmp_path / "no_model")
+  workdir.claim(config, tmp_path / "run")
+  before = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()}
+  info = json.loads(before["run_info.json"])
+  assert info["packages"]["jax"] == jax.__version__ and info["device_count"] == jax.device_count()
+  assert {"python", "platform", "machine", "device_kind", "start_time"} <= set(info)
+
+  changed = smoke_config(tmp_path / "no_model", **{"method": "grpo",
+                                                   "optim.learning_rate": 1e-2})
+  with pytest.raises(workdir.WorkdirConflict) as error:
+    train.train(changed, tmp_path / "run")
+  message = str(error.value)
+  assert "method: 'eppo' -> 'grpo'" in message and "optim.learning_rate: 0.0005 -> 0.01" in message
+  assert "allow_config_change" in message
+  bigger = smoke_config(tmp_path / "no_model", **{"model.tiny_hidden_size": 64})
+  with pytest.raises(workdir.WorkdirConflict, match="model.tiny_hidden_size: 32 -> 64"):
+    train.train(bigger, tmp_path / "run")
+  assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()} == before
+  assert not (tmp_path / "no_model").exists()
+
+  # Safe changes resume without the flag; the override accepts anything and records it.
+  longer = smoke_config(tmp_path / "no_model", **{"train.num_steps": 10, "train.eval_every": 5})
+  assert set(workdir.claim(longer, tmp_path / "run")) == {"train.num_steps", "train.eval_every"}
+  changed.train.allow_config_change = True
+  changes = workdir.claim(changed, tmp_path / "run")
+  assert {"method", "optim.learning_rate"} <= set(changes)
+  info = json.loads((tmp_path / "run" / "run_info.json").read_text())
+  assert info["config_changes"]["method"] == ["eppo", "grpo"] and len(info["previous_starts"]) == 2
+  stored = json.loads((tmp_path / "run" / "config.json").read_text())
+  assert stored["method"] == "grpo"
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints.
+
+
+def _damage(step_dir):
+  for path in step_dir.rglob("*"):
+    if path.is_file() and "ocdbt.process_0" in str(path):
+      path.write_bytes(path.read_bytes()[:10])
+
+
+def test_damaged_latest_checkpoint_falls_back_in_one_line(tmp_path, caplog, capfd):
+  """One warning naming the damaged checkpoint, no asyncio noise, the older one restored."""
+  ckpt = Checkpointer(tmp_path / "ckpt", keep=3)
+  state = {"a": np.arange(1000, dtype=np.float32), "b": np.ones((3, 4), np.int32)}
+  for step in (1, 2):
+    ckpt.save(step, jax.tree_util.tree_map(lambda x, s=step: x * s, state), {"step": step})
+  _damage(tmp_path / "ckpt" / "2")
+  with caplog.at_level(logging.WARNING):
+    step, restored, meta = ckpt.restore_intact(state)
+  assert step == 1 and meta == {"step": 1}
+  np.testing.assert_array_equal(restored["a"], state["a"])
+  warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+  assert len(warnings) == 1 and str(tmp_path / "ckpt" / "2") in warnings[0], warnings
+  assert "Event loop is closed" not in capfd.readouterr().err
+  # The damaged one is set aside, so the next save (step 2 again) is the latest.
+  assert ckpt.all_steps() == [1] and (tmp_path / "ckpt.unreadable" / "2").exists()
+  ckpt.save(2, state, {"step": 2})
+  assert ckpt.restore_intact(state)[0] == 2
+  _damage(tmp_path / "ckpt" / "1")
+  _damage(tmp_path / "ckpt" / "2")
+  with pytest.raises(NoIntactCheckpoint, match="none of the checkpoints"):
+    ckpt.restore_intact(state)
+
+
+def test_run_resumes_from_the_newest_intact_checkpoint(smoke_tiny_dir, compile_cache, tmp_path,
+                                                       caplog):
+  """Latest checkpoint damaged: the run redoes the steps since the older one and ends exactly
+  where an undisturbed run ends."""
+  del compile_cache
+  config = smoke_config(smoke_tiny_dir, **LEAN, **{"train.num_steps": 4, "train.eval_every": 0,
+                                                   "train.checkpoint_every": 2})
+  a, b = tmp_path / "a", tmp_path / "b"
+  train.train(config, a)
+  assert Checkpointer(a / "checkpoints").all_steps() == [2, 4]
+  _damage(a / "checkpoints" / "4")
+  with caplog.at_level(logging.WARNING):
+    train.train(config, a)
+  unreadable = [r for r in caplog.records if "unreadable" in r.getMessage()]
+  assert len(unreadable) == 1 and str(a / "checkpoints" / "4") in unreadable[0].getMessage()
+  train.train(config, b)
+  like = state_like(config, a)
+  assert_trees_equal(Checkpointer(a / "checkpoints").restore(like)[0],
+                     Checkpointer(b / "checkpoints").restore(like)[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# Signals.
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_finishes_the_step_saves_and_exits(smoke_tiny_dir, compile_cache, tmp_path, sig):
+  """SIGTERM / SIGINT mid-run: the step ends, a checkpoint is saved, the exit says so."""
+  run_dir = tmp_path / "run"
+  proc = subprocess.Popen(
+      [sys.executable, "run.py", "--config=configs/multitask.py:smoke", f"--workdir={run_dir}",
+       f"--config.model.tiny_dir={smoke_tiny_dir}", "--config.sft.enabled=False",
+       "--config.train.num_steps=200", "--config.train.eval_every=0",
+       "--config.train.checkpoint_every=1000", "--config.train.plots=False",
+       "--config.train.tensorboard=False"],
+      cwd=ROOT, env=compile_cache, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+      metrics = run_dir / "metrics.jsonl"
+      if metrics.exists() and any("loss" in r for r in _records(run_dir)):
+        break
+      time.sleep(0.5)
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=300)
+  finally:
+    proc.kill()
+  assert proc.returncode == 128 + sig, err[-3000:]
+  assert "Traceback" not in err, err[-3000:]
+  last = max(r["step"] for r in _records(run_dir) if "loss" in r)
+  assert f"{signal.Signals(sig).name}: stopped after RL step {last} of 200" in out
+  assert "rerun the same command to resume" in out
+  assert Checkpointer(run_dir / "checkpoints").latest_step() == last < 200
+
+
+# ----------------------------------------------------------------------------------------------
+# Hung environments through the trainer.
+
+
+def test_training_on_a_hanging_task_goes_on_and_leaves_nothing_behind(smoke_tiny_dir,
+                                                                      compile_cache, tmp_path):
+  """A registered task whose step blocks forever, default env settings ("auto" -> processes):
+  its episodes fail after the timeout, are left out and logged, and no worker or thread stays."""
+  del compile_cache, smoke_tiny_dir
+  # Its own tiny model: the hanging task's cut-short transcripts change the tokenizer corpus.
+  config = smoke_config(tmp_path / "tiny", **LEAN, **{
+      "tasks.specs": ("sokoban:easy", "alwayshang_test:easy"), "tasks.step_timeout_s": 1.0,
+      "sft.enabled": False, "train.num_steps": 1, "train.eval_every": 0,
+      "train.eval_instances_per_task": 1})
+  assert config.tasks.env_backend == "auto" and config.tasks.env_workers == 0
+  start = time.perf_counter()
+  train.train(config, tmp_path / "run")
+  elapsed = time.perf_counter() - start
+  step = [r for r in _records(tmp_path / "run") if "loss" in r][0]
+  assert step["excluded_episodes"] >= step["env_failures"] > 0, step
+  assert step["eval_env_failures"] == 1  # The hanging task's one evaluation episode.
+  assert np.isfinite(step["loss"])
+  assert not multiprocessing.active_children()
+  assert all(t.daemon or t is threading.main_thread() for t in threading.enumerate()
+             if t.name.startswith("env")), threading.enumerate()
+  assert elapsed < 600
+
+
+def test_unknown_override_is_one_line(tmp_path):
+  """--config.train.foo=1: one line naming config.train.foo, no traceback, nothing written."""
+  proc = subprocess.run(
+      [sys.executable, "run.py", "--config=configs/multitask.py:smoke", "--config.train.foo=1",
+       f"--workdir={tmp_path / 'run'}"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode != 0
+  assert proc.stderr.strip().splitlines() == [
+      "error: --config.train.foo: the config has no field config.train.foo (\"'foo'\")"]
+  assert not (tmp_path / "run").exists()
