@@ -24,6 +24,7 @@ METRICS = (("worst_task_final", "worst-task success (final)"),
            ("crossovers_per_100", "entropy crossovers / 100 steps"),
            ("spikes_per_100", "entropy spikes / 100 steps"),
            ("collapse_events", "collapse events (entropy < 0.05)"))
+KNOWN_METHODS = ("eppo", "grpo", "dapo", "clip_cov", "kl_cov")
 NUM_RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0
 
@@ -96,24 +97,35 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
           + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def write_report(root: Path, config, baseline: str, command: str) -> dict:
-  """results.md, summary.json and curves.png from the finished runs under `root`."""
+def write_report(root: Path, config, baseline: str, command: tuple[str, str]) -> dict:
+  """results.md, summary.json and curves.png from the finished runs under `root`.
+
+  `command` is (the driver's command without --seeds/--methods, the command that ran now).
+  """
   tasks = list(config.tasks.specs)
   t = config.train
   done, partial = load_runs(root, t.num_steps)
   metrics = {name: {seed: stats.run_metrics(recs, tasks) for seed, recs in per_seed.items()}
              for name, per_seed in done.items()}
   names = _ordered(done, "eppo")
-  lines = ["# Study report", "", f"Written by `{command}`.", "",
+  seeds = sorted({s for per_seed in done.values() for s in per_seed})
+  methods = [n for n in names if n in KNOWN_METHODS]
+  variants = [n for n in names if n not in KNOWN_METHODS]
+  lines = ["# Study report", "",
+           f"Every finished run below is reproduced by `{command[0]} --seeds "
+           f"{' '.join(map(str, seeds))} --methods {' '.join(methods)}`"
+           + (f" (and `--variant` for {', '.join(variants)})" if variants else "")
+           + "; one process per seed with `--seeds S`. The same command with `--report-only` "
+           f"rewrites this report. Last written by `{command[1]}`.", "",
            f"Tasks {', '.join(tasks)}; {t.num_steps} RL steps; eval on "
            f"{t.eval_instances_per_task} held-out instances per task (greedy) every "
            f"{t.eval_every or t.num_steps} steps and at step 0. Numbers are mean ± std over the "
            "finished seeds (n).", ""]
   for name in _ordered(set(done) | set(partial), "eppo"):
-    seeds = sorted(done.get(name, {}))
+    found = sorted(done.get(name, {}))
     unfinished = ", ".join(f"seed {s} at step {step}" for s, step in
                            sorted(partial.get(name, {}).items()))
-    lines.append(f"- {name}: finished seeds {seeds or 'none'}"
+    lines.append(f"- {name}: finished seeds {found or 'none'}"
                  + (f"; unfinished: {unfinished}" if unfinished else ""))
   lines.append("")
   warm = {int(d.parent.name[4:]): read_records(d) for d in sorted(root.glob("seed*/sft"))
