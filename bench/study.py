@@ -230,7 +230,7 @@ def run_one(base, root: Path, seed: int, method: str, variant_text: str) -> str:
       os.replace(partial, workdir)
     start = time.time()
     train.train(config, workdir)
-    print(f"seed {seed} {workdir.name}: {config.train.num_steps} RL steps "
+    print(f"seed {seed} {workdir.name}: trained to RL step {config.train.num_steps} in "
           f"{time.time() - start:.0f}s", flush=True)
   return "trained"
 

@@ -233,6 +233,8 @@ def plot(path: Path, done: dict, names: list[str], tasks: list[str]) -> None:
     axes[1, col].set_title(f"{task}: token entropy (nats)")
     axes[1, col].axhline(stats.COLLAPSE_NATS, color="gray", lw=0.8, ls="--")
   axes[0, -1].set_title("mean eval success")
+  for ax in axes[0]:
+    ax.set_ylim(-0.02, 1.02)
   axes[1, -1].axis("off")
   for ax in axes.flat:
     ax.set_xlabel("RL step")

@@ -189,7 +189,8 @@ def test_protocol_check_refuses_a_root_of_another_configuration(tmp_path):
 
 
 def _trained(out: str) -> list[str]:
-  return [line for line in out.splitlines() if " RL steps " in line or "warm start" in line]
+  return [line for line in out.splitlines()
+          if "trained to RL step" in line or "warm start" in line]
 
 
 def test_driver_end_to_end_resumes_and_reports(compile_cache, tmp_path, capsys):
