@@ -1,0 +1,242 @@
+"""The evidence study: its statistics against independent computations, and the driver end to end."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from pipeline_util import ROOT, compile_cache  # pylint: disable=unused-import
+
+sys.path.insert(0, str(ROOT / "bench"))
+
+import study  # pylint: disable=g-import-not-at-top,wrong-import-position
+import study_stats as stats  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+TASKS = ("a", "b", "c")
+
+
+def _record(step, entropies=None, evals=None, spikes=0):
+  """A synthetic metrics.jsonl record: per-task entropies (None = absent) and eval successes."""
+  r = {"step": step}
+  if entropies is not None:
+    r.update({f"task/{t}/entropy": h for t, h in zip(TASKS, entropies)})
+    r["num_entropy_spikes"] = spikes
+  if evals is not None:
+    r.update({f"task/{t}/eval_success": s for t, s in zip(TASKS, evals)})
+    r["eval_success"] = float(np.mean(evals))
+  return r
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics.
+
+
+def test_bootstrap_ci_matches_the_exact_bootstrap_distribution():
+  """With 5 values every resample can be enumerated (5^5): the Monte Carlo percentiles agree."""
+  values = np.array([0.12, -0.05, 0.31, 0.02, 0.2])
+  means = np.array([values[list(idx)].mean() for idx in itertools.product(range(5), repeat=5)])
+  exact = np.percentile(means, [2.5, 97.5])
+  low, high = stats.bootstrap_ci(values, 0.95, num_resamples=10_000, seed=0)
+  # The Monte Carlo quantile's standard error is about 0.002 here.
+  np.testing.assert_allclose([low, high], exact, atol=0.01)
+  assert low < values.mean() < high
+  # Fixed RNG seed: the same interval every time; another seed moves it only by MC noise.
+  assert stats.bootstrap_ci(values, 0.95, 10_000, 0) == (low, high)
+  np.testing.assert_allclose(stats.bootstrap_ci(values, 0.95, 10_000, 1), exact, atol=0.01)
+
+
+def test_bootstrap_means_equal_a_resampling_loop():
+  """The vectorised resampling is the plain loop over resamples with the same index draws."""
+  values = np.array([0.3, 0.1, 0.7, 0.4])
+  rng = np.random.default_rng(7)
+  index = rng.integers(0, len(values), size=(200, len(values)))
+  loop = [sum(values[i] for i in row) / len(row) for row in index]
+  np.testing.assert_allclose(stats.bootstrap_means(values, 200, seed=7), loop, rtol=1e-12)
+
+
+def test_bootstrap_ci_of_a_large_sample_is_the_normal_interval():
+  values = np.random.default_rng(3).normal(0.1, 0.2, size=400)
+  low, high = stats.bootstrap_ci(values)
+  half = 1.96 * values.std(ddof=1) / np.sqrt(len(values))
+  np.testing.assert_allclose([low, high], [values.mean() - half, values.mean() + half],
+                             atol=0.15 * half)
+  assert stats.bootstrap_ci([0.25, 0.25, 0.25]) == (0.25, 0.25)
+  with pytest.raises(ValueError, match="non-empty"):
+    stats.bootstrap_ci([])
+
+
+def test_verdict_applies_the_decision_rule():
+  assert stats.verdict((0.01, 0.2)) == "effect"
+  assert stats.verdict((-0.3, -0.001)) == "effect"
+  assert stats.verdict((-0.04, 0.05)) == "clear null"  # Half-width 0.045.
+  assert stats.verdict((-0.06, 0.05)) == "unresolved"  # Half-width 0.055.
+  assert stats.verdict(None) == "unresolved"
+
+
+def test_paired_differences_keep_the_seeds_both_methods_have():
+  diff = stats.paired_differences({0: 0.5, 1: 0.25, 3: 0.75}, {0: 0.25, 1: 0.5, 2: 0.0})
+  assert diff == {0: 0.25, 1: -0.25}
+
+
+def test_normalized_auc_is_the_trapezoid_rule_over_the_span():
+  # 20 * (0.2 + 0.4) / 2 + 20 * (0.4 + 0.3) / 2 + 60 * (0.3 + 0.5) / 2 = 6 + 7 + 24 = 37.
+  assert stats.normalized_auc([0, 20, 40, 100], [0.2, 0.4, 0.3, 0.5]) == pytest.approx(0.37)
+  assert stats.normalized_auc([5, 10, 30], [0.6, 0.6, 0.6]) == pytest.approx(0.6)
+  with pytest.raises(ValueError, match="increase"):
+    stats.normalized_auc([0, 10, 10], [0.1, 0.2, 0.3])
+  with pytest.raises(ValueError, match=">= 2"):
+    stats.normalized_auc([0], [0.1])
+
+
+def test_collapse_events_count_each_fall_below_the_threshold():
+  series = list(enumerate([0.3, 0.04, 0.03, 0.2, 0.01, 0.05, 0.049], start=1))
+  assert stats.collapse_events(series) == 3  # Steps 2, 5 and 7; 0.05 itself is not collapsed.
+  assert stats.collapse_events([(1, 0.01), (2, 0.02)]) == 1  # Collapsed from the first step.
+  assert stats.collapse_events([]) == 0
+
+
+def test_crossovers_on_hand_counted_records():
+  records = [
+      _record(0, evals=[0.1, 0.2, 0.3]),  # Eval only: no entropies.
+      _record(1, [0.5, 0.3, 0.1]),
+      _record(2, [0.2, 0.3, 0.1]),        # a < b now: 1 flip (a, b); a == c? no: 0.2 > 0.1.
+      _record(3, [0.2, 0.3, 0.4]),        # c passes a and b: 2 flips.
+      _record(4, [None, 0.5, 0.35]),      # a absent; b passes c: 1 flip.
+      _record(5, [0.45, 0.2, 0.35]),      # a vs its last (0.2): passes c and b; b drops below c.
+  ]
+  # Step 5 against the last observed values a=0.2, b=0.5, c=0.35: (a,b) flips, (a,c) flips,
+  # (b,c) flips: 3.
+  assert stats.count_crossovers(records, TASKS) == 1 + 2 + 1 + 3
+
+
+def test_crossovers_match_the_trainers_definition_on_random_series():
+  """The recount from logged entropies equals `pacing.entropy_crossovers` step by step."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from eppo_jax import pacing  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  ent_TxK = rng.uniform(0.0, 1.0, size=(60, 3)).round(1)  # Rounded: ties occur and never count.
+  present_TxK = rng.uniform(size=(60, 3)) > 0.2
+  records, total = [], 0
+  last_K, seen_K = np.zeros(3, np.float32), np.zeros(3, bool)
+  for t, (ent_K, present_K) in enumerate(zip(ent_TxK, present_TxK)):
+    records.append(_record(t + 1, [float(h) if p else None for h, p in zip(ent_K, present_K)]))
+    count, _ = pacing.entropy_crossovers(jnp.asarray(last_K), jnp.asarray(ent_K, jnp.float32),
+                                         jnp.asarray(seen_K & present_K))
+    total += int(count)
+    last_K = np.where(present_K, ent_K, last_K).astype(np.float32)
+    seen_K |= present_K
+  assert total > 10
+  assert stats.count_crossovers(records, TASKS) == total
+
+
+def test_run_metrics_of_a_synthetic_run():
+  records = [_record(-2) | {"sft_loss": 1.0}, _record(0, evals=[0.0, 0.5, 1.0])]
+  entropies = [[0.5, 0.1, 0.3], [0.4, 0.04, 0.3], [0.2, 0.03, 0.5], [0.1, 0.2, 0.6]]
+  for step, h in enumerate(entropies, start=1):
+    records.append(_record(step, h, spikes=step % 2))
+  records[-3].update(_record(2, evals=[0.5, 0.5, 0.5]))
+  records[-1].update(_record(4, evals=[0.25, 0.75, 1.0]))
+  m = stats.run_metrics(records, TASKS)
+  assert m["rl_steps"] == 4
+  assert m["start_success"] == pytest.approx(0.5)
+  assert m["final_success"] == pytest.approx(2.0 / 3.0)
+  assert m["worst_task_final"] == 0.25
+  # Task a: (0 + 0.5) / 2 * 2 + (0.5 + 0.25) / 2 * 2 = 1.25 over 4 steps.
+  assert m["per_task_auc"]["a"] == pytest.approx(1.25 / 4)
+  assert m["worst_task_auc"] == pytest.approx(1.25 / 4)
+  # b: (0.5 + 0.5) + (0.5 + 0.75) = 2.25; c: (1 + 0.5) + (0.5 + 1) = 3; the mean curve's area is
+  # the mean of the tasks' areas.
+  assert m["auc_success"] == pytest.approx(np.mean([1.25, 2.25, 3.0]) / 4)
+  assert m["per_task_collapse_events"] == {"a": 0, "b": 1, "c": 0}
+  # Steps 2->3: c passes a (1); 3->4: b passes a (1).
+  assert m["crossovers_per_100"] == pytest.approx(100 * 2 / 4)
+  assert m["spikes_per_100"] == pytest.approx(100 * 2 / 4)
+  assert m["entropy_end"]["c"] == pytest.approx(np.mean([0.3, 0.5, 0.6]))
+
+
+# ----------------------------------------------------------------------------------------------
+# The driver.
+
+
+def test_config_passthrough_types_and_errors():
+  base = study.base_config("study", study.parse_overrides(
+      ["--config.train.num_steps=7", "--config.optim.learning_rate=1e-4",
+       "--config.tasks.specs=('sokoban:easy','frozenlake:easy')", "--config.model.source=tiny"]))
+  assert base.train.num_steps == 7 and base.optim.learning_rate == 1e-4
+  assert base.tasks.specs == ("sokoban:easy", "frozenlake:easy")
+  assert base.train.eval_instances_per_task == study.STUDY_OVERRIDES[
+      "train.eval_instances_per_task"]
+  hf = study.base_config("qwen2.5-0.5b", study.parse_overrides(["--config.model.source=/m"]))
+  assert hf.model.source == "/m" and hf.model.lora_rank == 32  # The preset, unchanged otherwise.
+  with pytest.raises(ValueError, match="unknown config field 'train.nope'"):
+    study.base_config("smoke", [("train.nope", "1")])
+  with pytest.raises(ValueError, match="is a float"):
+    study.base_config("smoke", [("train.num_steps", "2.5")])
+  with pytest.raises(ValueError, match="unexpected argument"):
+    study.parse_overrides(["--seeds=3"])
+
+
+def test_protocol_check_refuses_a_root_of_another_configuration(tmp_path):
+  study.check_protocol(tmp_path, study.base_config("smoke", []))
+  study.check_protocol(tmp_path, study.base_config("smoke", []))  # Same: accepted.
+  with pytest.raises(SystemExit, match="train.num_steps"):
+    study.check_protocol(tmp_path, study.base_config("smoke", [("train.num_steps", "9")]))
+
+
+def _trained(out: str) -> list[str]:
+  return [line for line in out.splitlines()
+          if "trained to RL step" in line or "warm start" in line]
+
+
+def test_driver_end_to_end_resumes_and_reports(compile_cache, tmp_path, capsys):
+  """2 seeds x 2 methods on the smoke preset; rerun trains nothing; a cut run resumes."""
+  argv = ["--root", str(tmp_path), "--preset", "smoke", "--seeds", "0", "1",
+          "--methods", "eppo", "grpo"]
+  study.main(argv)
+  first = capsys.readouterr().out
+  assert len(_trained(first)) == 2 + 4, first
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  tasks = summary["tasks"]
+  for method in ("eppo", "grpo"):
+    for seed in (0, 1):
+      records = [json.loads(line) for line in
+                 (tmp_path / f"seed{seed}" / method / "metrics.jsonl").read_text().splitlines()]
+      evals = [r for r in records if r.get("eval_success") is not None]
+      assert [r["step"] for r in evals] == [0, 2, 3]
+      m = summary["runs"][method][str(seed)]
+      assert m["final_success"] == evals[-1]["eval_success"]
+      assert m["worst_task_final"] == min(evals[-1][f"task/{t}/eval_success"] for t in tasks)
+      # Every method starts from its seed's warm start: the same step-0 eval.
+      assert m["start_success"] == summary["runs"]["eppo"][str(seed)]["start_success"]
+  d = summary["differences"]["eppo"]["worst_task_final"]
+  assert d["n"] == 2 and set(d["per_seed"]) == {"0", "1"}
+  assert (tmp_path / "curves.png").stat().st_size > 0
+  report = (tmp_path / "results.md").read_text()
+  assert "Paired difference eppo − grpo" in report and "| eppo | 2 |" in report
+
+  # Everything finished: the second call trains nothing and rewrites the same report.
+  mtime = (tmp_path / "seed1" / "grpo" / "metrics.jsonl").stat().st_mtime_ns
+  study.main(argv)
+  second = capsys.readouterr().out
+  assert not _trained(second) and second.count("finished earlier") == 4, second
+  assert (tmp_path / "seed1" / "grpo" / "metrics.jsonl").stat().st_mtime_ns == mtime
+  assert json.loads((tmp_path / "summary.json").read_text())["runs"] == summary["runs"]
+
+  # A run cut after its step-2 checkpoint resumes there and ends where the whole run ended.
+  workdir = tmp_path / "seed1" / "grpo"
+  whole = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  (workdir / "final_metrics.json").unlink()
+  shutil.rmtree(workdir / "checkpoints" / "3")
+  study.main(["--root", str(tmp_path), "--preset", "smoke", "--seeds", "1", "--methods", "grpo"])
+  third = capsys.readouterr().out
+  assert len(_trained(third)) == 1, third
+  resumed = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  drop = ("time", "time/generation_s", "time/environment_s", "time/update_s", "time/step_s",
+          "tokens_per_s")
+  strip = lambda rs: [{k: v for k, v in r.items() if k not in drop} for r in rs]
+  assert strip(resumed) == strip(whole)
