@@ -109,6 +109,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.tensorboard = True
   c.train.plots = True
 
+  # Device mesh (see docs/scaling.md): the batch splits over data x fsdp; fsdp also splits the
+  # weights, adapters and optimizer state, tensor the heads / MLP / vocabulary. -1 = the devices
+  # the other two axes leave. The default is plain data parallelism.
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+
   c.distributed = ml_collections.ConfigDict()
   # "auto": initialise jax.distributed when the environment describes a multi-host job
   # (TPU pod, SLURM, or the three variables below); "off" / "on" force it.

@@ -1,9 +1,10 @@
 """The pure update steps: `train_step` (one EPPO update on a rollout batch) and `sft_step`.
 
-Both run under `jax.pmap(axis_name="data")` with the state donated. Gradients are taken only for
-the trainable leaves (LoRA adapters, or everything for full fine-tuning) and `pmean`-ed, following
-the loss convention of `objective.eppo_loss` (each device returns N_devices x its share), so 1 and N
-devices compute the same update on the same global batch.
+The trainer runs both as `jax.jit` on the global batch over a device mesh (`axis_name=None`; see
+`eppo_jax.mesh`), with the state donated. They also run per shard under `jax.pmap` / `shard_map`
+with `axis_name="data"`: gradients of the trainable leaves (LoRA adapters, or everything for full
+fine-tuning) are then `pmean`-ed, following the loss convention of `objective.eppo_loss` (each
+device returns N_devices x its share), so both ways compute the same update on the same batch.
 """
 
 from __future__ import annotations

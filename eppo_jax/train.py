@@ -3,6 +3,10 @@
 One RL step: sample task instances -> play G episodes of each with the current policy (host
 environments, device `rollout`) -> `steps.train_step` (pacing, advantages, PPO updates) on all
 devices -> log; every few steps greedy evaluation on held-out seeds and a checkpoint.
+
+Every device program is `jax.jit` over the `config.mesh` device mesh (see `eppo_jax.mesh`): the
+params, adapters and optimizer state live sharded on it, batches enter as global arrays split over
+data x fsdp, and the steps run with `axis_name=None` on the global batch.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -21,6 +26,7 @@ import numpy as np
 import optax
 
 from eppo_jax import agent, lora, objective, pacing, parallel, steps
+from eppo_jax import mesh as meshlib
 from eppo_jax.checkpoint import Checkpointer
 from eppo_jax.envs import registry
 from eppo_jax.envs.sampler import TaskSampler
@@ -68,15 +74,16 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if r.group_size < 2:
     raise ValueError(f"config.rollout.group_size={r.group_size}: group advantages need >= 2")
   episodes = r.instances_per_step * r.group_size
-  if episodes % jax.device_count():
+  shards = math.prod(meshlib.mesh_shape(config.mesh, jax.device_count())[:2])  # data x fsdp
+  if episodes % shards:
     raise ValueError(f"config.rollout.instances_per_step x group_size = {episodes} episodes is not "
-                     f"divisible by the {jax.device_count()} devices")
+                     f"divisible by the {shards} batch shards (config.mesh data x fsdp)")
   if r.instances_per_step % jax.process_count():
     raise ValueError(f"config.rollout.instances_per_step={r.instances_per_step} does not split "
                      f"over {jax.process_count()} hosts")
-  per_device = episodes // jax.device_count()
-  if per_device % config.optim.num_minibatches:
-    raise ValueError(f"{per_device} episodes per device are not divisible by "
+  per_shard = episodes // shards
+  if per_shard % config.optim.num_minibatches:
+    raise ValueError(f"{per_shard} episodes per batch shard are not divisible by "
                      f"config.optim.num_minibatches={config.optim.num_minibatches}")
   if config.loss.overrides.get("kl_coef", 0.0) and not config.model.lora_rank:
     raise ValueError("config.loss.overrides.kl_coef needs LoRA (config.model.lora_rank > 0): the "
@@ -143,9 +150,10 @@ class Run:
   model: object
   tokenizer: object
   chat: agent.ChatFormat
-  frozen: object  # Replicated non-trainable params.
+  frozen: object  # Non-trainable params, placed on `mesh`.
   task_names: list
   stepper: agent.EnvStepper
+  mesh: jax.sharding.Mesh
 
   def policy(self, trainable, rng, greedy: bool) -> ModelPolicy:
     r = self.config.rollout
@@ -154,7 +162,7 @@ class Run:
         greedy=greedy, stop_token_ids=self.chat.stop_token_ids,
         pad_id=self.tokenizer.pad_token_id)
     params = lora.combine(trainable, self.frozen)  # Dict surgery on device arrays: no copy.
-    return ModelPolicy(params, self.model, sampling, r.max_episode_tokens, rng)
+    return ModelPolicy(params, self.model, sampling, r.max_episode_tokens, rng, self.mesh)
 
   def play(self, policy, instances, group_size: int) -> agent.EpisodeBatch:
     r = self.config.rollout
@@ -233,26 +241,31 @@ def sft_stage(run: Run, trainable, logger: MetricsLogger):
   log.info("SFT: %d demonstrations, %d tokens, %d trained", len(demos.rewards),
            demos.attention_mask.sum(), demos.loss_mask.sum())
   tx = make_optimizer(s.learning_rate, max(1, s.steps // 10), 0.0, 1.0)
-  sft = jax.pmap(functools.partial(steps.sft_step, model=run.model, tx=tx, axis_name=parallel.AXIS),
-                 axis_name=parallel.AXIS, donate_argnums=(0, 1))
-  trainable = parallel.replicate(trainable)
-  opt_state = parallel.replicate(tx.init(parallel.unreplicate(trainable)))
+  opt_state = jax.jit(tx.init)(trainable)
+  opt_state = meshlib.put(opt_state, meshlib.shardings(opt_state, run.mesh))
+  place = lambda tree: meshlib.shardings(tree, run.mesh)
+  sft = jax.jit(functools.partial(steps.sft_step, model=run.model, tx=tx, axis_name=None),
+                in_shardings=(place(trainable), place(opt_state), place(run.frozen),
+                              meshlib.batch_sharding(run.mesh)),
+                out_shardings=(place(trainable), place(opt_state), meshlib.replicated(run.mesh)),
+                donate_argnums=(0, 1))
   rng = np.random.default_rng(run.config.seed)
-  per_host = max(jax.local_device_count(), s.batch_size // jax.process_count())
-  per_host -= per_host % jax.local_device_count()
+  local_shards = max(1, meshlib.batch_shards(run.mesh) // jax.process_count())
+  per_host = max(local_shards, s.batch_size // jax.process_count())
+  per_host -= per_host % local_shards
   arrays = {k: getattr(demos, k) for k in ("tokens", "attention_mask", "loss_mask")}
   start = time.time()
   for i in range(s.steps):
     pick = rng.choice(len(demos.rewards), per_host, replace=len(demos.rewards) < per_host)
     # Trim the batch to its longest demonstration (bucketed): fewer pad tokens, few shapes.
     width = parallel.global_max(agent.bucket(int(demos.attention_mask[pick].sum(1).max()) + 1, 64))
-    batch = parallel.shard({k: v[pick, :width] for k, v in arrays.items()})
+    batch = meshlib.put_rows({k: v[pick, :width] for k, v in arrays.items()}, run.mesh)
     trainable, opt_state, metrics = sft(trainable, opt_state, run.frozen, batch)
     if i % 25 == 0 or i == s.steps - 1:
-      loss = float(parallel.unreplicate(metrics)["sft_loss"])
+      loss = float(meshlib.fetch(metrics)["sft_loss"])
       log.info("SFT step %d/%d: loss %.4f (%.0fs)", i + 1, s.steps, loss, time.time() - start)
       logger.log(-s.steps + i + 1, {"sft_loss": loss})
-  return parallel.unreplicate(trainable)
+  return trainable
 
 
 def _summary(names, success) -> str:
@@ -265,6 +278,7 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
   """Runs (or resumes) the configured job in `workdir`; returns the last logged record."""
   parallel.initialize(config.distributed)
   validate(config)
+  mesh = meshlib.make_mesh(config.mesh)
   workdir = Path(workdir)
   main = jax.process_index() == 0
   r, t = config.rollout, config.train
@@ -277,28 +291,31 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
   mask = lora.trainable_mask(params, full_finetune=not config.model.lora_rank)
   trainable, frozen = lora.partition(params, mask)
   n_adapt, n_total = lora.count(params)
-  log.info("model %s: %.2fM params, %s trainable; %d devices on %d hosts",
+  log.info("model %s: %.2fM params, %s trainable; %d devices on %d hosts, mesh %s",
            model_cfg.architecture, n_total / 1e6,
            f"{n_adapt / 1e6:.2f}M (LoRA)" if n_adapt else "all", jax.device_count(),
-           jax.process_count())
+           jax.process_count(), dict(mesh.shape))
 
   pacing_cfg, loss_cfg = objective.method_configs(
       config.method, **dict(config.pacing.overrides), **dict(config.loss.overrides))
   step_cfg = steps.StepConfig(model=model_cfg, pacing=pacing_cfg, loss=loss_cfg,
                               num_tasks=len(specs), num_groups=r.instances_per_step,
                               temperature=r.temperature, ppo_epochs=config.optim.ppo_epochs,
-                              num_minibatches=config.optim.num_minibatches)
+                              num_minibatches=config.optim.num_minibatches, axis_name=None)
   o = config.optim
   tx = make_optimizer(o.learning_rate, o.warmup_steps, o.weight_decay, o.grad_clip)
   state = steps.TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable,
                            opt_state=tx.init(trainable), pacing=pacing.init_pacing(len(specs)))
+  state_sh = meshlib.shardings(state, mesh)
+  state = meshlib.put(state, state_sh)
+  frozen = meshlib.put(frozen, meshlib.shardings(frozen, mesh))
   sampler = TaskSampler(specs, list(config.tasks.weights) or None, seed=config.seed)
-  run = Run(config, model_cfg, tokenizer, chat, parallel.replicate(frozen), specs,
-            agent.EnvStepper(config.tasks.env_workers, config.tasks.step_timeout_s))
+  run = Run(config, model_cfg, tokenizer, chat, frozen, specs,
+            agent.EnvStepper(config.tasks.env_workers, config.tasks.step_timeout_s), mesh)
   ckpt = Checkpointer(workdir / "checkpoints", t.checkpoint_keep)
 
   def save(state, logger):
-    ckpt.save(int(state.step), state, {"sampler": sampler.state_dict(), "history": logger.history,
+    ckpt.save(int(meshlib.fetch(state.step)), state, {"sampler": sampler.state_dict(), "history": logger.history,
                                        "config": config.to_json()})
 
   history = []
@@ -316,18 +333,18 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
 
   keys = named_keys(config.seed)
   rollout_key, train_key, eval_key = keys["rollout"], keys["train"], keys["eval"]
-  p_train = jax.pmap(functools.partial(steps.train_step, cfg=step_cfg, tx=tx),
-                     axis_name=parallel.AXIS, donate_argnums=(0,))
-  host_instances = parallel.host_share(r.instances_per_step * r.group_size, "episodes per step")
-  host_instances //= r.group_size
-  state = parallel.replicate(state)
+  p_train = jax.jit(functools.partial(steps.train_step, cfg=step_cfg, tx=tx),
+                    in_shardings=(state_sh, meshlib.shardings(run.frozen, mesh),
+                                  meshlib.batch_sharding(mesh), meshlib.replicated(mesh)),
+                    out_shardings=(state_sh, meshlib.replicated(mesh)), donate_argnums=(0,))
+  host_instances = r.instances_per_step // jax.process_count()
   bad_steps = 0
 
-  if int(parallel.unreplicate(state).step) == 0:  # Where RL starts from (after SFT).
+  if int(meshlib.fetch(state.step)) == 0:  # Where RL starts from (after SFT).
     logger.log(0, *evaluate(run, state.trainable, eval_key, sampler))
   # A run resumed at its last step logs nothing new: its result is the last record it has.
   record = logger.history[-1] if logger.history else {}
-  while (step := int(state.step[0]) + 1) <= t.num_steps:
+  while (step := int(meshlib.fetch(state.step)) + 1) <= t.num_steps:
     start = time.time()
     drawn = sampler.sample(r.instances_per_step)
     mine = drawn[jax.process_index() * host_instances:(jax.process_index() + 1) * host_instances]
@@ -336,10 +353,9 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
     policy = run.policy(state.trainable, jax.random.fold_in(rollout_key, step), greedy=False)
     episodes = run.play(policy, instances, r.group_size)
     env_s, play_s = run.stepper.seconds, time.time() - start
-    batch = parallel.shard(batch_arrays(episodes, jax.process_index() * host_instances))
-    step_keys = parallel.replicate(jax.random.fold_in(train_key, step))
-    state, metrics = p_train(state, run.frozen, batch, step_keys)
-    metrics = jax.device_get(parallel.unreplicate(metrics))
+    batch = meshlib.put_rows(batch_arrays(episodes, jax.process_index() * host_instances), mesh)
+    state, metrics = p_train(state, run.frozen, batch, jax.random.fold_in(train_key, step))
+    metrics = meshlib.fetch(metrics)
     total_s = time.time() - start
     all_episodes = agent.EpisodeBatch(**parallel.gather_hosts(dataclasses.asdict(episodes)))
     scalars, per_task = episode_metrics(all_episodes, len(specs))
@@ -366,7 +382,7 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
     logger.progress(step, _summary(specs, per_task["success"]))
     stop = bad_steps >= t.max_bad_steps
     if step % t.checkpoint_every == 0 or step == t.num_steps or stop:
-      save(parallel.unreplicate(state), logger)
+      save(state, logger)
       logger.plot()
     if stop:
       logger.close()
@@ -375,13 +391,14 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
           f"step {step}); stopped. The checkpoint in {ckpt.directory} holds the last good "
           "parameters: lower config.optim.learning_rate or check the data, then rerun to resume.")
 
-  final = parallel.unreplicate(state)
+  final = state
   logger.plot()
   logger.close()
-  if main and t.export_hf and t.num_steps:
-    params = jax.device_get(lora.combine(final.trainable, parallel.unreplicate(run.frozen)))
-    out = hf.export_hf(params, model_cfg, workdir / "hf_export", tokenizer)
-    log.info("exported the final policy to %s", out)
+  if t.export_hf and t.num_steps:
+    params = meshlib.fetch(lora.combine(final.trainable, run.frozen))  # Every host takes part.
+    if main:
+      out = hf.export_hf(params, model_cfg, workdir / "hf_export", tokenizer)
+      log.info("exported the final policy to %s", out)
   ckpt.close()
   if main:
     (workdir / "final_metrics.json").write_text(json.dumps(record, indent=1))
