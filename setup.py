@@ -39,5 +39,8 @@ setup(
             "textworld>=1.6.0",
         ],
         "textworld": ["textworld>=1.6.0"],
+        # libtpu, for `python -m eppo_jax.fit --topology=v5e:4x4` (compile-only: no TPU needed).
+        # Install it in its own environment: it pins jax and jaxlib to the version it matches.
+        "fit": ["jax[tpu]"],
     },
 )
