@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -159,7 +160,12 @@ def _measure(program: str, lower) -> Fit:
     # XLA refuses programs that exceed the chip's HBM ("RESOURCE_EXHAUSTED ... exceeds ...").
     message = str(e).strip().splitlines()[0][:400]
     memory = "RESOURCE_EXHAUSTED" in message or "exceeds" in message
-    return Fit(program, error=("does not fit: " if memory else "error: ") + message)
+    fit = Fit(program, error=("does not fit: " if memory else "error: ") + message)
+    # "... HLO temporaries (26.96G) exceeds available HBM (15.75G)": keep the size it needed.
+    needed = re.search(r"temporaries \(([0-9.]+)G\)", message)
+    if needed:
+      fit.temporaries = int(float(needed.group(1)) * GIB)
+    return fit
   fit = Fit(program, stats.argument_size_in_bytes, stats.output_size_in_bytes,
             stats.alias_size_in_bytes, stats.temp_size_in_bytes)
   fit.peak = fit.arguments + fit.outputs - fit.aliased + fit.temporaries
@@ -178,7 +184,7 @@ def compile_train(config, model_cfg, mesh) -> Fit:
                               num_tasks=len(config.tasks.specs),
                               num_groups=r.instances_per_step, temperature=r.temperature,
                               ppo_epochs=o.ppo_epochs, num_minibatches=o.num_minibatches,
-                              axis_name=None)
+                              axis_name=None, minibatch_sharding=meshlib.minibatch_sharding(mesh))
   tx = train.make_optimizer(o.learning_rate, o.warmup_steps, o.weight_decay, o.grad_clip)
   trainable, frozen = _abstract_params(model_cfg, mesh)
   state = jax.eval_shape(lambda t: steps.TrainState(
@@ -196,7 +202,9 @@ def compile_train(config, model_cfg, mesh) -> Fit:
                in_shardings=(state_sh, meshlib.shardings(frozen, mesh), rows,
                              meshlib.replicated(mesh)),
                out_shardings=(state_sh, meshlib.replicated(mesh)), donate_argnums=(0,))
-  return _measure("train_step", lambda: fn.lower(_abstract(state, state_sh), frozen, batch, key))
+  with jax.set_mesh(mesh):  # Traced as `train.train` traces it (see `mesh.constrain_rows`).
+    return _measure("train_step", lambda: fn.lower(_abstract(state, state_sh), frozen, batch,
+                                                   key))
 
 
 def compile_rollout(config, model_cfg, mesh, prompt_tokens: int) -> Fit:
@@ -221,7 +229,8 @@ def compile_rollout(config, model_cfg, mesh, prompt_tokens: int) -> Fit:
   tokens = jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=rows)
   mask = jax.ShapeDtypeStruct((b, p), bool, sharding=rows)
   key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=meshlib.replicated(mesh))
-  return _measure("rollout_turn", lambda: turn.lower(params, tokens, mask, key, cache))
+  with jax.set_mesh(mesh):
+    return _measure("rollout_turn", lambda: turn.lower(params, tokens, mask, key, cache))
 
 
 def check(config, topology: str, prompt_tokens: int = 512, hbm_gib: float = 0.0,
@@ -255,7 +264,8 @@ def render(result: dict) -> str:
            f"{'peak':>9}  verdict (GiB per device)"]
   for f in result["fits"]:
     if f.error:
-      lines.append(f"{f.program:<14}{'':>53}  {f.error}")
+      needed = f"{f.temporaries / GIB:>13.2f}" if f.temporaries else f"{'':>13}"
+      lines.append(f"{f.program:<14}{'':>31}{needed}{'':>9}  {f.error}")
       continue
     verdict = ("fits" if f.peak <= hbm * GIB else "does not fit") if hbm else "?"
     lines.append(f"{f.program:<14}{f.arguments / GIB:>11.2f}{f.outputs / GIB:>10.2f}"

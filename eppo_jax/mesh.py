@@ -148,6 +148,11 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH))
 
 
+def minibatch_sharding(mesh: Mesh) -> NamedSharding:
+  """A [minibatches, rows, ...] stack with its rows split like the batch (`StepConfig`)."""
+  return NamedSharding(mesh, P(None, BATCH))
+
+
 def cache_shardings(mesh: Mesh, num_kv_heads: int) -> dict:
   """Shardings of a `transformer.init_cache` dict: rows over data x fsdp, kv heads over tensor."""
   heads = "tensor" if num_kv_heads % mesh.shape["tensor"] == 0 else None
@@ -155,6 +160,21 @@ def cache_shardings(mesh: Mesh, num_kv_heads: int) -> dict:
           "v": NamedSharding(mesh, P(None, BATCH, heads)),
           "mask": NamedSharding(mesh, P(BATCH)), "index": replicated(mesh),
           "pos": NamedSharding(mesh, P(BATCH))}
+
+
+def constrain_rows(x):
+  """Pins the leading (row) axis of `x` to data x fsdp while tracing under `jax.set_mesh`.
+
+  Activations pinned to their rows leave XLA one choice for a layer whose weights are split over
+  `fsdp`: gather the weights (FSDP), rather than gather every device's rows. A no-op without an
+  ambient mesh (one device, `pmap`) or when the rows do not divide.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not set(BATCH) <= set(mesh.axis_names):
+    return x
+  if x.shape[0] % (mesh.shape["data"] * mesh.shape["fsdp"]):
+    return x
+  return jax.lax.with_sharding_constraint(x, P(BATCH))
 
 
 def put(tree, sharding_tree):

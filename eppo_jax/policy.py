@@ -68,9 +68,10 @@ class ModelPolicy:
     tokens, mask = meshlib.put_rows((chunk_BxC, chunk_mask_BxC), self._mesh)
     empty, turn = compiled_turn(self._config, self._sampling, self._mesh,
                                 padded * jax.process_count(), self._max_slots)
-    cache = empty() if state is None else state
     key = jax.random.fold_in(self._rng, self._turn)
-    reply, reply_mask, cache = turn(self._params, tokens, mask, key, cache)
+    with jax.set_mesh(self._mesh):  # Traced with the mesh in context: see `mesh.constrain_rows`.
+      cache = empty() if state is None else state
+      reply, reply_mask, cache = turn(self._params, tokens, mask, key, cache)
     self._turn += 1
     reply, reply_mask = meshlib.local_rows((reply, reply_mask), self._mesh)
     return reply[:b], reply_mask[:b], cache

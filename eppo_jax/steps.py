@@ -46,6 +46,10 @@ class StepConfig:
   advantage_estimator: str = "grpo"
   per_task_std: bool = False
   axis_name: Optional[str] = "data"
+  # Under jit on a device mesh: the sharding of a [minibatches, rows, ...] stack, rows split like
+  # the batch (`mesh.minibatch_sharding`). Without it XLA keeps each minibatch on the few devices
+  # that hold its rows; with it every device works on every minibatch. None under pmap.
+  minibatch_sharding: Any = None
 
 
 def sequence_logprobs(params, model: ModelConfig, tokens_BxT, attention_mask_BxT,
@@ -64,11 +68,12 @@ def sequence_logprobs(params, model: ModelConfig, tokens_BxT, attention_mask_BxT
   return logp_BxT, entropy_BxT
 
 
-def _minibatches(batch: dict, order_M: Optional[jax.Array], num: int) -> dict:
+def _minibatches(batch: dict, order_M: Optional[jax.Array], num: int, sharding=None) -> dict:
   """[b, ...] leaves -> [num, b / num, ...] in the order of `order_M` (None: as they are)."""
   def split(x):
     x = x if order_M is None else x[order_M]
-    return x.reshape((num, x.shape[0] // num) + x.shape[1:])
+    x = x.reshape((num, x.shape[0] // num) + x.shape[1:])
+    return x if sharding is None else lax.with_sharding_constraint(x, sharding)
   return jax.tree_util.tree_map(split, batch)
 
 
@@ -95,7 +100,7 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
   # One minibatch at a time keeps the activation memory of the old-policy pass bounded.
   def score(p, mb):
     return sequence_logprobs(p, cfg.model, mb["tokens"], mb["attention_mask"], cfg.temperature)
-  in_order = _minibatches(batch, None, cfg.num_minibatches)
+  in_order = _minibatches(batch, None, cfg.num_minibatches, cfg.minibatch_sharding)
   old_logp, entropy = lax.map(lambda mb: score(params, mb), in_order)
   old_logp_BxT, entropy_BxT = (x.reshape((b,) + x.shape[2:]) for x in (old_logp, entropy))
   ref_logp_BxT = None
@@ -160,7 +165,8 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
     perm_key, loss_key = jax.random.split(rng_epochs[epoch])
     order = jax.random.permutation(perm_key, b) if epoch else None
     keys = jax.random.split(loss_key, cfg.num_minibatches)
-    carry, metrics = lax.scan(update, carry, (_minibatches(data, order, cfg.num_minibatches), keys))
+    carry, metrics = lax.scan(update, carry, (_minibatches(data, order, cfg.num_minibatches,
+                                                           cfg.minibatch_sharding), keys))
     per_update.append(metrics)
   per_update = jax.tree_util.tree_map(lambda *x: jnp.concatenate(x), *per_update)
   metrics = {k: (v.sum(0) if k == "skipped" else v.mean(0)) for k, v in per_update.items()}

@@ -260,7 +260,8 @@ def sft_stage(run: Run, trainable, logger: MetricsLogger):
     # Trim the batch to its longest demonstration (bucketed): fewer pad tokens, few shapes.
     width = parallel.global_max(agent.bucket(int(demos.attention_mask[pick].sum(1).max()) + 1, 64))
     batch = meshlib.put_rows({k: v[pick, :width] for k, v in arrays.items()}, run.mesh)
-    trainable, opt_state, metrics = sft(trainable, opt_state, run.frozen, batch)
+    with jax.set_mesh(run.mesh):  # Traced with the mesh in context: see `mesh.constrain_rows`.
+      trainable, opt_state, metrics = sft(trainable, opt_state, run.frozen, batch)
     if i % 25 == 0 or i == s.steps - 1:
       loss = float(meshlib.fetch(metrics)["sft_loss"])
       log.info("SFT step %d/%d: loss %.4f (%.0fs)", i + 1, s.steps, loss, time.time() - start)
@@ -301,7 +302,8 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
   step_cfg = steps.StepConfig(model=model_cfg, pacing=pacing_cfg, loss=loss_cfg,
                               num_tasks=len(specs), num_groups=r.instances_per_step,
                               temperature=r.temperature, ppo_epochs=config.optim.ppo_epochs,
-                              num_minibatches=config.optim.num_minibatches, axis_name=None)
+                              num_minibatches=config.optim.num_minibatches, axis_name=None,
+                              minibatch_sharding=meshlib.minibatch_sharding(mesh))
   o = config.optim
   tx = make_optimizer(o.learning_rate, o.warmup_steps, o.weight_decay, o.grad_clip)
   state = steps.TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable,
@@ -354,7 +356,8 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
     episodes = run.play(policy, instances, r.group_size)
     env_s, play_s = run.stepper.seconds, time.time() - start
     batch = meshlib.put_rows(batch_arrays(episodes, jax.process_index() * host_instances), mesh)
-    state, metrics = p_train(state, run.frozen, batch, jax.random.fold_in(train_key, step))
+    with jax.set_mesh(mesh):
+      state, metrics = p_train(state, run.frozen, batch, jax.random.fold_in(train_key, step))
     metrics = meshlib.fetch(metrics)
     total_s = time.time() - start
     all_episodes = agent.EpisodeBatch(**parallel.gather_hosts(dataclasses.asdict(episodes)))

@@ -56,7 +56,8 @@ def train_steps(mesh, model, trainable, frozen, tx):
   """3 RL steps and 1 SFT step on `mesh` -> (state, metrics of the last step, SFT trainable)."""
   pc, lc = objective.method_configs("eppo")
   cfg = steps.StepConfig(model=model, pacing=pc, loss=lc, num_tasks=K, num_groups=B // G,
-                         num_minibatches=2, axis_name=None)
+                         num_minibatches=2, axis_name=None,
+                         minibatch_sharding=meshlib.minibatch_sharding(mesh))
   state = steps.TrainState(step=np.zeros((), np.int32), trainable=trainable,
                            opt_state=tx.init(trainable), pacing=pacing.init_pacing(K))
   state_sh, frozen_sh = meshlib.shardings(state, mesh), meshlib.shardings(frozen, mesh)
@@ -65,13 +66,14 @@ def train_steps(mesh, model, trainable, frozen, tx):
                  in_shardings=(state_sh, frozen_sh, meshlib.batch_sharding(mesh),
                                meshlib.replicated(mesh)),
                  out_shardings=(state_sh, meshlib.replicated(mesh)))
-  for i in range(3):
-    state, metrics = step(state, frozen, meshlib.put_rows(_batch(i), mesh), jax.random.PRNGKey(i))
   sft = jax.jit(functools.partial(steps.sft_step, model=model, tx=tx, axis_name=None))
-  sft_trainable, _, _ = sft(state.trainable, state.opt_state, frozen,
-                            meshlib.put_rows({k: v for k, v in _batch(9).items()
-                                              if k in ("tokens", "attention_mask", "loss_mask")},
-                                             mesh))
+  sft_batch = {k: v for k, v in _batch(9).items() if k in ("tokens", "attention_mask", "loss_mask")}
+  with jax.set_mesh(mesh):  # As the trainer runs them (activations pinned to their rows).
+    for i in range(3):
+      state, metrics = step(state, frozen, meshlib.put_rows(_batch(i), mesh),
+                            jax.random.PRNGKey(i))
+    sft_trainable, _, _ = sft(state.trainable, state.opt_state, frozen,
+                              meshlib.put_rows(sft_batch, mesh))
   return state, meshlib.fetch(metrics), meshlib.fetch(sft_trainable)
 
 
