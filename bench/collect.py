@@ -23,7 +23,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs import multitask  # noqa: E402  pylint: disable=wrong-import-position
-from eppo_jax import agent, parallel, train  # noqa: E402  pylint: disable=wrong-import-position
+from eppo_jax import agent, train  # noqa: E402  pylint: disable=wrong-import-position
+from eppo_jax import mesh as meshlib  # noqa: E402  pylint: disable=wrong-import-position
 from eppo_jax.envs.sampler import TaskSampler  # noqa: E402  pylint: disable=wrong-import-position
 
 
@@ -43,10 +44,11 @@ def main():
   with tempfile.TemporaryDirectory() as tmp:
     model, params, tokenizer = train.load_model(config, Path(tmp))
   stop_ids = [tokenizer.eos_token_id]
+  mesh = meshlib.make_mesh(config.mesh)
   run = train.Run(config, model, tokenizer,
                   agent.ChatFormat(tokenizer, stop_ids, config.tasks.system_prompt),
-                  parallel.replicate({}), list(config.tasks.specs), agent.EnvStepper())
-  trainable = parallel.replicate(params)
+                  {}, list(config.tasks.specs), agent.EnvStepper(), mesh)
+  trainable = meshlib.put(params, meshlib.shardings(params, mesh))
   sampler = TaskSampler(config.tasks.specs, seed=0)
   print(f"{jax.device_count()} devices; {instances} instances x {group} episodes per batch; "
         f"tasks {list(config.tasks.specs)}")

@@ -10,8 +10,10 @@ Presets (`--config=configs/multitask.py:PRESET`):
                     python run.py --config=configs/multitask.py:smoke --workdir=/tmp/smoke
   qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, llama3.2-1b, qwen3-0.6b
                   A real HF instruct model (from the local HF cache or a directory, set
-                  `model.source`) with LoRA, bf16, no SFT. One TPU v4-8 / 8 GPUs: 0.5B-1.5B about
-                  2-4 h for 200 steps; 7B about 12 h.
+                  `model.source`) with LoRA, bf16, no SFT. Each names the TPU slice it is sized
+                  for and its device mesh (`config.mesh`); run times on them are not measured
+                  yet. Check that a preset's programs fit a slice before paying for it:
+                    python -m eppo_jax.fit --config=configs/multitask.py:qwen2.5-7b --topology=v5e:4x4
                     python run.py --config=configs/multitask.py:qwen2.5-1.5b --workdir=gs://.../run
 
 Any field can be overridden on the command line, e.g. `--config.method=grpo --config.seed=1`.
@@ -29,6 +31,8 @@ HF_PRESETS = {
     "qwen3-0.6b": "Qwen/Qwen3-0.6B",
 }
 PRESETS = ("tiny", "smoke") + tuple(HF_PRESETS)
+# (TPU slice the preset is sized for, config.mesh.fsdp); data takes the remaining devices.
+PRESET_SLICES = {"qwen2.5-7b": ("v5e:4x4", 16), "qwen2.5-1.5b": ("v5p:2x2x2", 8)}
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -129,6 +133,17 @@ def base_config() -> ml_collections.ConfigDict:
   # True.
   c.train.allow_config_change = False
 
+  # Device mesh (see docs/scaling.md): the batch splits over data x fsdp; fsdp also splits the
+  # weights, adapters and optimizer state, tensor the heads / MLP / vocabulary. -1 = the devices
+  # the other two axes leave. The default is plain data parallelism.
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+  # The slice the preset is sized for (a TPU topology name, or cpu:N); the default of
+  # `python -m eppo_jax.fit`, which checks that the preset's programs fit it. Informational only.
+  c.mesh.slice = "cpu:1"
+
   c.distributed = ml_collections.ConfigDict()
   # "auto": initialise jax.distributed when the environment describes a multi-host job
   # (TPU pod, SLURM, or the three variables below); "off" / "on" force it.
@@ -177,6 +192,13 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     c.rollout.max_new_tokens = 128
     c.rollout.max_episode_tokens = 4096
     c.optim.learning_rate = 1e-5 if arg == "qwen2.5-7b" else 2e-5
+    # The slice each preset is sized for and its mesh (check with `python -m eppo_jax.fit`, see
+    # docs/scaling.md). fsdp over a whole slice keeps one copy of the weights per slice; the batch
+    # per device is the same as plain data parallelism over it.
+    #   qwen2.5-7b:   v5e 4x4 (16 chips), fsdp 16.
+    #   qwen2.5-1.5b: v5p 2x2x2 (8 chips, 64 episodes per chip), fsdp 8; also v5e 2x4.
+    #   others:       v5e 2x4 (8 chips), data parallel.
+    c.mesh.slice, c.mesh.fsdp = PRESET_SLICES.get(arg, ("v5e:2x4", 1))
     c.optim.num_minibatches = 4
     c.train.num_steps = 200
     c.train.eval_every = 20

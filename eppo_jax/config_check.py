@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax
 import ml_collections
 
-from eppo_jax import agent, objective
+from eppo_jax import agent, mesh, objective
 from eppo_jax.envs import registry
 
 ENV_BACKENDS = ("auto",) + agent.ENV_BACKENDS
@@ -150,15 +150,20 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise _fail("tasks.weights", tuple(weights), "must be finite, >= 0, and not all 0")
   r = config.rollout
   episodes = r.instances_per_step * r.group_size
-  if episodes % jax.device_count():
+  try:
+    data, fsdp, _ = mesh.mesh_shape(config.mesh, jax.device_count())
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
+  shards = data * fsdp  # The batch is split over data x fsdp.
+  if episodes % shards:
     raise ConfigError(f"config.rollout.instances_per_step x group_size = {episodes} episodes is "
-                      f"not divisible by the {jax.device_count()} devices")
+                      f"not divisible by the {shards} batch shards (config.mesh data x fsdp)")
   if r.instances_per_step % jax.process_count():
     raise ConfigError(f"config.rollout.instances_per_step={r.instances_per_step} does not split "
                       f"over {jax.process_count()} hosts")
-  per_device = episodes // jax.device_count()
-  if per_device % config.optim.num_minibatches:
-    raise ConfigError(f"{per_device} episodes per device are not divisible by "
+  per_shard = episodes // shards
+  if per_shard % config.optim.num_minibatches:
+    raise ConfigError(f"{per_shard} episodes per batch shard are not divisible by "
                       f"config.optim.num_minibatches={config.optim.num_minibatches}")
   if config.loss.overrides.get("kl_coef", 0.0) and not m.lora_rank:
     raise ConfigError("config.loss.overrides.kl_coef needs LoRA (config.model.lora_rank > 0): "

@@ -1,7 +1,8 @@
-"""Data parallelism with `jax.pmap` over every device of every host.
+"""Hosts and `jax.pmap` layouts: start `jax.distributed`, gather across hosts, synchronise.
 
-Batches are laid out `[local_devices, per_device, ...]`; each host feeds its own devices with the
-episodes it collected, and collectives over `AXIS` span all hosts once `jax.distributed` is up.
+The trainer runs `jax.jit` over a device mesh (`eppo_jax.mesh`). The pmap helpers below
+(`shard`, `replicate`, ...) lay out `[local_devices, per_device, ...]` batches for code that runs
+the pure functions per device under `jax.pmap(axis_name=AXIS)` (benchmarks, tests).
 """
 
 from __future__ import annotations

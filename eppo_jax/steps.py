@@ -1,9 +1,10 @@
 """The pure update steps: `train_step` (one EPPO update on a rollout batch) and `sft_step`.
 
-Both run under `jax.pmap(axis_name="data")` with the state donated. Gradients are taken only for
-the trainable leaves (LoRA adapters, or everything for full fine-tuning) and `pmean`-ed, following
-the loss convention of `objective.eppo_loss` (each device returns N_devices x its share), so 1 and N
-devices compute the same update on the same global batch.
+The trainer runs both as `jax.jit` on the global batch over a device mesh (`axis_name=None`; see
+`eppo_jax.mesh`), with the state donated. They also run per shard under `jax.pmap` / `shard_map`
+with `axis_name="data"`: gradients of the trainable leaves (LoRA adapters, or everything for full
+fine-tuning) are then `pmean`-ed, following the loss convention of `objective.eppo_loss` (each
+device returns N_devices x its share), so both ways compute the same update on the same batch.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class StepConfig:
   advantage_estimator: str = "grpo"
   per_task_std: bool = False
   axis_name: Optional[str] = "data"
+  # Under jit on a device mesh: the sharding of a [minibatches, rows, ...] stack, rows split like
+  # the batch (`mesh.minibatch_sharding`). Without it XLA keeps each minibatch on the few devices
+  # that hold its rows; with it every device works on every minibatch. None under pmap.
+  minibatch_sharding: Any = None
 
 
 def sequence_logprobs(params, model: ModelConfig, tokens_BxT, attention_mask_BxT,
@@ -63,11 +68,12 @@ def sequence_logprobs(params, model: ModelConfig, tokens_BxT, attention_mask_BxT
   return logp_BxT, entropy_BxT
 
 
-def _minibatches(batch: dict, order_M: Optional[jax.Array], num: int) -> dict:
+def _minibatches(batch: dict, order_M: Optional[jax.Array], num: int, sharding=None) -> dict:
   """[b, ...] leaves -> [num, b / num, ...] in the order of `order_M` (None: as they are)."""
   def split(x):
     x = x if order_M is None else x[order_M]
-    return x.reshape((num, x.shape[0] // num) + x.shape[1:])
+    x = x.reshape((num, x.shape[0] // num) + x.shape[1:])
+    return x if sharding is None else lax.with_sharding_constraint(x, sharding)
   return jax.tree_util.tree_map(split, batch)
 
 
@@ -97,7 +103,7 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
   # One minibatch at a time keeps the activation memory of the old-policy pass bounded.
   def score(p, mb):
     return sequence_logprobs(p, cfg.model, mb["tokens"], mb["attention_mask"], cfg.temperature)
-  in_order = _minibatches(batch, None, cfg.num_minibatches)
+  in_order = _minibatches(batch, None, cfg.num_minibatches, cfg.minibatch_sharding)
   old_logp, entropy = lax.map(lambda mb: score(params, mb), in_order)
   old_logp_BxT, entropy_BxT = (x.reshape((b,) + x.shape[2:]) for x in (old_logp, entropy))
   ref_logp_BxT = None
@@ -162,7 +168,8 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
     perm_key, loss_key = jax.random.split(rng_epochs[epoch])
     order = jax.random.permutation(perm_key, b) if epoch else None
     keys = jax.random.split(loss_key, cfg.num_minibatches)
-    carry, metrics = lax.scan(update, carry, (_minibatches(data, order, cfg.num_minibatches), keys))
+    carry, metrics = lax.scan(update, carry, (_minibatches(data, order, cfg.num_minibatches,
+                                                           cfg.minibatch_sharding), keys))
     per_update.append(metrics)
   per_update = jax.tree_util.tree_map(lambda *x: jnp.concatenate(x), *per_update)
   metrics = {k: (v.sum(0) if k == "skipped" else v.mean(0)) for k, v in per_update.items()}

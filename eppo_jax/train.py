@@ -3,6 +3,10 @@
 One RL step: sample task instances -> play G episodes of each with the current policy (host
 environments, device `rollout`) -> `steps.train_step` (pacing, advantages, PPO updates) on all
 devices -> log; every few steps greedy evaluation on held-out seeds and a checkpoint.
+
+Every device program is `jax.jit` over the `config.mesh` device mesh (see `eppo_jax.mesh`): the
+params, adapters and optimizer state live sharded on it, batches enter as global arrays split over
+data x fsdp, and the steps run with `axis_name=None` on the global batch.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +27,7 @@ import optax
 
 from eppo_jax import (agent, config_check, interrupt, lora, objective, pacing, parallel, steps,
                       workdir as workdir_lib)
+from eppo_jax import mesh as meshlib
 from eppo_jax.checkpoint import Checkpointer
 from eppo_jax.envs import registry
 from eppo_jax.envs.sampler import TaskSampler
@@ -101,15 +107,23 @@ def load_model(config, workdir: Path):
   return model_cfg, params, pre.tokenizer
 
 
-def step_config(config: ml_collections.ConfigDict, model_cfg) -> steps.StepConfig:
-  """The static description of one RL update that `config` asks for."""
+def step_config(config: ml_collections.ConfigDict, model_cfg,
+                mesh: Optional[jax.sharding.Mesh] = None) -> steps.StepConfig:
+  """The static description of one RL update that `config` asks for.
+
+  With `mesh`, the update runs as one jitted program over it (no axis name: XLA inserts the
+  collectives); without, it is the per-device function for `jax.pmap(axis_name="data")`.
+  """
+  mesh_fields = {} if mesh is None else dict(
+      axis_name=None, minibatch_sharding=meshlib.minibatch_sharding(mesh))
   pacing_cfg, loss_cfg = objective.method_configs(
       config.method, **dict(config.pacing.overrides), **dict(config.loss.overrides))
   return steps.StepConfig(
       model=model_cfg, pacing=pacing_cfg, loss=loss_cfg, num_tasks=len(config.tasks.specs),
       num_groups=config.rollout.instances_per_step, temperature=config.rollout.temperature,
       ppo_epochs=config.optim.ppo_epochs, num_minibatches=config.optim.num_minibatches,
-      advantage_estimator=config.advantage_estimator, per_task_std=config.per_task_std)
+      advantage_estimator=config.advantage_estimator, per_task_std=config.per_task_std,
+      **mesh_fields)
 
 
 def make_optimizer(lr: float, warmup: int, weight_decay: float, grad_clip: float):
@@ -126,9 +140,10 @@ class Run:
   model: object
   tokenizer: object
   chat: agent.ChatFormat
-  frozen: object  # Replicated non-trainable params.
+  frozen: object  # Non-trainable params, placed on `mesh`.
   task_names: list
   stepper: agent.EnvStepper
+  mesh: jax.sharding.Mesh
 
   def policy(self, trainable, rng, greedy: bool) -> ModelPolicy:
     r = self.config.rollout
@@ -137,7 +152,7 @@ class Run:
         greedy=greedy, stop_token_ids=self.chat.stop_token_ids,
         pad_id=self.tokenizer.pad_token_id)
     params = lora.combine(trainable, self.frozen)  # Dict surgery on device arrays: no copy.
-    return ModelPolicy(params, self.model, sampling, r.max_episode_tokens, rng)
+    return ModelPolicy(params, self.model, sampling, r.max_episode_tokens, rng, self.mesh)
 
   def play(self, policy, instances, group_size: int) -> agent.EpisodeBatch:
     r = self.config.rollout
@@ -232,13 +247,18 @@ def sft_stage(run: Run, trainable, logger: MetricsLogger):
            len(demos.failed) - len(usable), demos.attention_mask[usable].sum(),
            demos.loss_mask[usable].sum())
   tx = make_optimizer(s.learning_rate, max(1, s.steps // 10), 0.0, 1.0)
-  sft = jax.pmap(functools.partial(steps.sft_step, model=run.model, tx=tx, axis_name=parallel.AXIS),
-                 axis_name=parallel.AXIS, donate_argnums=(0, 1))
-  trainable = parallel.replicate(trainable)
-  opt_state = parallel.replicate(tx.init(parallel.unreplicate(trainable)))
+  opt_state = jax.jit(tx.init)(trainable)
+  opt_state = meshlib.put(opt_state, meshlib.shardings(opt_state, run.mesh))
+  place = lambda tree: meshlib.shardings(tree, run.mesh)
+  sft = jax.jit(functools.partial(steps.sft_step, model=run.model, tx=tx, axis_name=None),
+                in_shardings=(place(trainable), place(opt_state), place(run.frozen),
+                              meshlib.batch_sharding(run.mesh)),
+                out_shardings=(place(trainable), place(opt_state), meshlib.replicated(run.mesh)),
+                donate_argnums=(0, 1))
   rng = np.random.default_rng(run.config.seed)
-  per_host = max(jax.local_device_count(), s.batch_size // jax.process_count())
-  per_host -= per_host % jax.local_device_count()
+  local_shards = max(1, meshlib.batch_shards(run.mesh) // jax.process_count())
+  per_host = max(local_shards, s.batch_size // jax.process_count())
+  per_host -= per_host % local_shards
   arrays = {k: getattr(demos, k)[usable] for k in ("tokens", "attention_mask", "loss_mask")}
   start, loss = time.time(), float("nan")
   for i in range(s.steps):
@@ -246,14 +266,15 @@ def sft_stage(run: Run, trainable, logger: MetricsLogger):
     # Trim the batch to its longest demonstration (bucketed): fewer pad tokens, few shapes.
     width = parallel.global_max(agent.bucket(int(arrays["attention_mask"][pick].sum(1).max()) + 1,
                                              64))
-    batch = parallel.shard({k: v[pick, :width] for k, v in arrays.items()})
-    trainable, opt_state, metrics = sft(trainable, opt_state, run.frozen, batch)
+    batch = meshlib.put_rows({k: v[pick, :width] for k, v in arrays.items()}, run.mesh)
+    with jax.set_mesh(run.mesh):  # Traced with the mesh in context: see `mesh.constrain_rows`.
+      trainable, opt_state, metrics = sft(trainable, opt_state, run.frozen, batch)
     if i % 5 == 0 or i == s.steps - 1:  # Reading the loss waits for the device: not every step.
-      loss = float(parallel.unreplicate(metrics)["sft_loss"])
+      loss = float(meshlib.fetch(metrics)["sft_loss"])
       logger.progress(i + 1, f"loss {loss:.3f}", phase="sft", total=s.steps)
       logger.log(-s.steps + i + 1, {"sft_loss": loss})
   log.info("SFT: %d steps in %.0fs, final loss %.4f", s.steps, time.time() - start, loss)
-  return parallel.unreplicate(trainable)
+  return trainable
 
 
 def _summary(names, success) -> str:
@@ -287,23 +308,25 @@ def _train(config: ml_collections.ConfigDict, workdir: Path,
   mask = lora.trainable_mask(params, full_finetune=not config.model.lora_rank)
   trainable, frozen = lora.partition(params, mask)
   n_adapt, n_total = lora.count(params)
-  log.info("model %s: %.2fM params, %s trainable; %d devices on %d hosts",
+  log.info("model %s: %.2fM params, %s trainable; %d devices on %d hosts, mesh %s",
            model_cfg.architecture, n_total / 1e6,
            f"{n_adapt / 1e6:.2f}M (LoRA)" if n_adapt else "all", jax.device_count(),
-           jax.process_count())
+           jax.process_count(), dict(mesh.shape))
 
-  step_cfg = step_config(config, model_cfg)
+  step_cfg = step_config(config, model_cfg, mesh)
   o = config.optim
   tx = make_optimizer(o.learning_rate, o.warmup_steps, o.weight_decay, o.grad_clip)
   state = steps.TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable,
                            opt_state=tx.init(trainable), pacing=pacing.init_pacing(len(specs)))
+  state_sh = meshlib.shardings(state, mesh)
+  state = meshlib.put(state, state_sh)
+  frozen = meshlib.put(frozen, meshlib.shardings(frozen, mesh))
   sampler = TaskSampler(specs, list(config.tasks.weights) or None, seed=config.seed)
-  run = Run(config, model_cfg, tokenizer, chat, parallel.replicate(frozen), specs,
-            make_stepper(config))
+  run = Run(config, model_cfg, tokenizer, chat, frozen, specs, make_stepper(config), mesh)
   ckpt = Checkpointer(workdir / "checkpoints", t.checkpoint_keep)
 
   def save(state, logger):
-    ckpt.save(int(state.step), state, {"sampler": sampler.state_dict(), "history": logger.history,
+    ckpt.save(int(meshlib.fetch(state.step)), state, {"sampler": sampler.state_dict(), "history": logger.history,
                                        "config": config.to_json()})
 
   history = []
@@ -323,25 +346,25 @@ def _train(config: ml_collections.ConfigDict, workdir: Path,
 
   keys = named_keys(config.seed)
   rollout_key, train_key, eval_key = keys["rollout"], keys["train"], keys["eval"]
-  p_train = jax.pmap(functools.partial(steps.train_step, cfg=step_cfg, tx=tx),
-                     axis_name=parallel.AXIS, donate_argnums=(0,))
-  host_instances = parallel.host_share(r.instances_per_step * r.group_size, "episodes per step")
-  host_instances //= r.group_size
-  state = parallel.replicate(state)
+  p_train = jax.jit(functools.partial(steps.train_step, cfg=step_cfg, tx=tx),
+                    in_shardings=(state_sh, meshlib.shardings(run.frozen, mesh),
+                                  meshlib.batch_sharding(mesh), meshlib.replicated(mesh)),
+                    out_shardings=(state_sh, meshlib.replicated(mesh)), donate_argnums=(0,))
+  host_instances = r.instances_per_step // jax.process_count()
   bad_steps = 0
 
-  if int(parallel.unreplicate(state).step) == 0:  # Where RL starts from (after SFT).
+  if int(meshlib.fetch(state.step)) == 0:  # Where RL starts from (after SFT).
     logger.log(0, *evaluate(run, state.trainable, eval_key, sampler))
   if signalled := parallel.global_max(signals.signum or 0):  # During SFT: its result is saved.
     logger.close()
     ckpt.close()
     raise interrupt.Interrupted(
         f"{interrupt.signal.Signals(signalled).name}: stopped before RL step "
-        f"{int(state.step[0]) + 1}; the checkpoint in {ckpt.directory} is up to date; rerun the "
+        f"{int(meshlib.fetch(state.step)) + 1}; the checkpoint in {ckpt.directory} is up to date; rerun the "
         "same command to resume.", signalled)
   # A run resumed at its last step logs nothing new: its result is the last record it has.
   record = logger.history[-1] if logger.history else {}
-  while (step := int(state.step[0]) + 1) <= t.num_steps:
+  while (step := int(meshlib.fetch(state.step)) + 1) <= t.num_steps:
     start = time.time()
     drawn = sampler.sample(r.instances_per_step)
     mine = drawn[jax.process_index() * host_instances:(jax.process_index() + 1) * host_instances]
@@ -350,10 +373,10 @@ def _train(config: ml_collections.ConfigDict, workdir: Path,
     policy = run.policy(state.trainable, jax.random.fold_in(rollout_key, step), greedy=False)
     episodes = run.play(policy, instances, r.group_size)
     env_s, play_s = run.stepper.seconds, time.time() - start
-    batch = parallel.shard(batch_arrays(episodes, jax.process_index() * host_instances))
-    step_keys = parallel.replicate(jax.random.fold_in(train_key, step))
-    state, metrics = p_train(state, run.frozen, batch, step_keys)
-    metrics = jax.device_get(parallel.unreplicate(metrics))
+    batch = meshlib.put_rows(batch_arrays(episodes, jax.process_index() * host_instances), mesh)
+    with jax.set_mesh(mesh):
+      state, metrics = p_train(state, run.frozen, batch, jax.random.fold_in(train_key, step))
+    metrics = meshlib.fetch(metrics)
     total_s = time.time() - start
     all_episodes = agent.EpisodeBatch(**parallel.gather_hosts(dataclasses.asdict(episodes)))
     scalars, per_task = episode_metrics(all_episodes, len(specs))
@@ -385,7 +408,7 @@ def _train(config: ml_collections.ConfigDict, workdir: Path,
     stop = bad_steps >= t.max_bad_steps
     signalled = parallel.global_max(signals.signum or 0)  # Every host stops at the same step.
     if step % t.checkpoint_every == 0 or step == t.num_steps or stop or signalled:
-      save(parallel.unreplicate(state), logger)
+      save(state, logger)
       logger.plot()
     if signalled and not stop and step < t.num_steps:
       logger.close()
@@ -402,13 +425,14 @@ def _train(config: ml_collections.ConfigDict, workdir: Path,
           f"step {step}); stopped. The checkpoint in {ckpt.directory} holds the last good "
           "parameters: lower config.optim.learning_rate or check the data, then rerun to resume.")
 
-  final = parallel.unreplicate(state)
+  final = state
   logger.plot()
   logger.close()
-  if main and t.export_hf and t.num_steps:
-    params = jax.device_get(lora.combine(final.trainable, parallel.unreplicate(run.frozen)))
-    out = hf.export_hf(params, model_cfg, workdir / "hf_export", tokenizer)
-    log.info("exported the final policy to %s", out)
+  if t.export_hf and t.num_steps:
+    params = meshlib.fetch(lora.combine(final.trainable, run.frozen))  # Every host takes part.
+    if main:
+      out = hf.export_hf(params, model_cfg, workdir / "hf_export", tokenizer)
+      log.info("exported the final policy to %s", out)
   ckpt.close()
   if main:
     (workdir / "final_metrics.json").write_text(json.dumps(record, indent=1))

@@ -30,7 +30,7 @@ SAFE_CHANGES = ("train.num_steps", "train.eval_every", "train.eval_instances_per
                 "train.tensorboard", "train.plots", "train.export_hf",
                 "train.allow_config_change", "train.wandb_project", "tasks.env_backend",
                 "tasks.env_workers",
-                "tasks.step_timeout_s", "distributed.")
+                "tasks.step_timeout_s", "distributed.", "mesh.")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "transformers", "numpy",
             "ml_collections")
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import eppo_jax
-from eppo_jax import agent, parallel, sampling, steps
+from eppo_jax import agent, sampling, steps
+from eppo_jax import mesh as meshlib
 from eppo_jax.envs import FrozenLake, format_action, play, registry
 from eppo_jax.models import hf
 from eppo_jax.policy import ModelPolicy
@@ -284,9 +285,10 @@ def test_model_episodes_are_what_the_cache_saw(pretrained, chat):
 
 def test_model_policy_collects_consistent_greedy_episodes(pretrained, chat):
   """ModelPolicy over all devices: greedy tokens are the teacher-forced argmax; groups agree."""
-  params = parallel.replicate(pretrained.params)
+  mesh = meshlib.make_mesh(meshlib.DATA_ONLY)
+  params = meshlib.put(pretrained.params, meshlib.shardings(pretrained.params, mesh))
   policy = ModelPolicy(params, pretrained.config, _sampling_cfg(chat, greedy=True), MAX_SLOTS,
-                       jax.random.PRNGKey(0))
+                       jax.random.PRNGKey(0), mesh)
   g = 5  # 15 rows over 4 devices (4 each, one filler row): groups straddle devices.
   batch = agent.collect_episodes(policy, chat, registry.make, _instances(), g, max_turns=2,
                                  max_new_tokens=8, max_slots=MAX_SLOTS,

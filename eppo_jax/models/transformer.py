@@ -20,6 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from eppo_jax import mesh
 from eppo_jax.models.config import ModelConfig
 
 Params = Any
@@ -179,12 +180,13 @@ class DecoderLayer(nn.Module):
   @nn.compact
   def __call__(self, x_BxTxD, sin, cos, mask_BxTxS, kv_cache, index):
     cfg = self.config
+    x_BxTxD = mesh.constrain_rows(x_BxTxD)  # On a mesh: gather this layer's weights, not rows.
     norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.weight_dtype, name=name)
     attn_out, new_cache = Attention(cfg, name="self_attn")(
         norm("input_layernorm")(x_BxTxD), sin, cos, mask_BxTxS, kv_cache, index)
     x_BxTxD = x_BxTxD + attn_out
     x_BxTxD = x_BxTxD + MLP(cfg, name="mlp")(norm("post_attention_layernorm")(x_BxTxD))
-    return x_BxTxD, new_cache
+    return mesh.constrain_rows(x_BxTxD), new_cache
 
 
 class Transformer(nn.Module):
