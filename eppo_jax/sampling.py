@@ -18,8 +18,13 @@ returned cache holds every generated token, stop tokens included. A row whose ch
 (an episode that already ended, a filler row) generates nothing in that call.
 
 Static shapes. Left-pad prompts to a few bucket lengths (`left_pad`, `bucket`) and keep a few
-`SamplingConfig`s: XLA then compiles one program per (bucket, config, batch), see
+`SamplingConfig`s: XLA then compiles one program per (bucket, config, batch, prefix), see
 `compiled_programs`. The decode loop exits as soon as every row has stopped.
+
+Cost. A call attends over a static prefix of the cache that covers the slots written before it
+plus its own P + N (`prefix_bucket`: one of five sizes per cache), so the first turn of a long
+episode does not pay for the whole episode's cache. On CPU the decode steps run the layers over
+weights split once per call (`ModelConfig.unroll_decode`), so no step copies a layer's weights.
 """
 
 from __future__ import annotations

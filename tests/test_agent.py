@@ -310,3 +310,33 @@ def test_model_policy_collects_consistent_greedy_episodes(pretrained, chat):
     checked += decided.sum()
   assert checked >= 0.9 * batch.loss_mask.sum()
 
+
+
+def test_model_policy_compaction_keeps_greedy_replies(pretrained, chat):
+  """Turns after episodes end run on a compacted cache and reply exactly as without compaction."""
+  params = parallel.replicate(pretrained.params)
+  cfg = _sampling_cfg(chat, greedy=True)
+  d = jax.local_device_count()
+  n = 3 * d  # 3 rows per device.
+  rng = np.random.default_rng(0)
+  vocab = pretrained.config.vocab_size
+  # Live episodes per turn: all, then at most one per device (1 row), then the first two only.
+  actives = [np.ones(n, bool), np.arange(n) % 3 == 1, np.isin(np.arange(n), [1, 4])]
+  policies = {c: ModelPolicy(params, pretrained.config, cfg, 256, jax.random.PRNGKey(0),
+                             compact=c) for c in (False, True)}
+  states = {c: None for c in policies}
+  for turn, active in enumerate(actives):
+    lengths = rng.integers(3, 20, n)
+    chunk, mask = sampling.left_pad(
+        [list(rng.integers(5, vocab, k)) if a else [] for k, a in zip(lengths, active)], [32], 0)
+    replies = {}
+    for c, policy in policies.items():
+      reply, reply_mask, states[c] = policy(chunk, mask, states[c], active.copy())
+      replies[c] = (reply, reply_mask)
+    (plain, plain_mask), (packed, packed_mask) = replies[False], replies[True]
+    np.testing.assert_array_equal(packed_mask, plain_mask)
+    np.testing.assert_array_equal(packed[active], plain[active])
+    assert plain_mask[active].any(axis=1).all() and not plain_mask[~active].any()
+    rows = np.asarray(states[True]["mask"]).shape[1]
+    assert rows == (3 if turn == 0 else 1), (turn, rows)  # Compacted once every device fits 1.
+    assert np.asarray(states[False]["mask"]).shape[1] == 3

@@ -28,7 +28,7 @@ def _batch(t=40, seed=0):
 def _loss(params, config, tokens, mask, weights):
   """A scalar that reads every valid position's logits (pads carry no loss, as in training)."""
   out = logits(params, config, tokens, mask)
-  return jnp.sum(out * weights * jnp.asarray(mask)[..., None])
+  return jnp.sum(out * weights * jnp.asarray(mask)[..., None]) / mask.sum()
 
 
 @pytest.mark.parametrize("name,overrides,blocks", [
