@@ -85,8 +85,8 @@ def test_blockwise_over_cache_and_chunk_equals_dense():
   sources = [KeySource(normal(b, kh, s, h), normal(b, kh, s, h), jnp.asarray(cache_valid), False),
              KeySource(normal(b, kh, t, h), normal(b, kh, t, h), jnp.asarray(chunk_valid), True)]
   dense = attention.attend(q, sources, impl="dense", block_q=8, block_k=8, dtype=jnp.float32)
-  blockwise = jax.jit(lambda q, srcs: attention.attend(q, srcs, impl="blockwise", block_q=8,
-                                                       block_k=8, dtype=jnp.float32))(q, sources)
+  blockwise = jax.jit(lambda q: attention.attend(q, sources, impl="blockwise", block_q=8,
+                                                  block_k=8, dtype=jnp.float32))(q)
   np.testing.assert_allclose(np.asarray(blockwise), np.asarray(dense), atol=TOL, rtol=0)
 
 
