@@ -221,7 +221,7 @@ def compile_rollout(config, model_cfg, mesh, prompt_tokens: int) -> Fit:
   trainable, frozen = _abstract_params(model_cfg, mesh)
   from eppo_jax import lora  # pylint: disable=g-import-not-at-top
   params = lora.combine(trainable, frozen)
-  _, turn = policy.compiled_turn(model_cfg, sampling, mesh, b, s)
+  _, turn = policy.compiled_turn(model_cfg, sampling, mesh, b, s, s)  # Worst case: whole cache.
   rows = meshlib.batch_sharding(mesh)
   cache = jax.eval_shape(lambda: init_cache(model_cfg, b, s))
   cache = _abstract(cache, meshlib.cache_shardings(mesh, model_cfg.num_kv_heads))

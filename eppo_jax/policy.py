@@ -12,31 +12,45 @@ from eppo_jax import mesh as meshlib
 from eppo_jax import parallel
 from eppo_jax.models.config import ModelConfig
 from eppo_jax.models.transformer import init_cache
-from eppo_jax.sampling import SamplingConfig, rollout
+from eppo_jax.sampling import SamplingConfig, prefix_bucket, rollout
 
 
-def _turn(params, tokens, mask, rng, cache, *, config, sampling):
-  out = rollout(params, config, tokens, mask, rng, sampling, cache=cache)
+def _turn(params, tokens, mask, rng, cache, *, config, sampling, prefix):
+  out = rollout(params, config, tokens, mask, rng, sampling, cache=cache, prefix=prefix)
   return out.tokens, out.mask, out.cache
+
+
+def _take_rows(cache, rows_R):
+  """The cache of the rows `rows_R`, in that order (a gather over the batch axis)."""
+  return {**cache, "k": cache["k"][:, rows_R], "v": cache["v"][:, rows_R],
+          "mask": cache["mask"][rows_R], "pos": cache["pos"][rows_R]}
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_turn(config: ModelConfig, sampling: SamplingConfig, mesh: jax.sharding.Mesh,
-                  batch: int, max_len: int):
+                  batch: int, max_len: int, prefix: int):
   """(empty-cache maker, one-turn function) for a global batch of `batch` rows, jitted on `mesh`.
 
   The params keep the shardings they were placed with (`mesh.shardings`); rows and the cache are
-  split over data x fsdp, kv heads over tensor (`mesh.cache_shardings`).
+  split over data x fsdp, kv heads over tensor (`mesh.cache_shardings`). The turn attends over the
+  first `prefix` cache slots only (static).
   """
   cache_sh = meshlib.cache_shardings(mesh, config.num_kv_heads)
   rows = meshlib.batch_sharding(mesh)
   # The empty cache is made by its own program and passed in: allocated inside the turn program,
   # its zeros would be constants that XLA tries to fold through the attention (slow compiles).
   empty = jax.jit(lambda: init_cache(config, batch, max_len), out_shardings=cache_sh)
-  turn = jax.jit(functools.partial(_turn, config=config, sampling=sampling),
+  turn = jax.jit(functools.partial(_turn, config=config, sampling=sampling, prefix=prefix),
                  in_shardings=(None, rows, rows, meshlib.replicated(mesh), cache_sh),
                  out_shardings=(rows, rows, cache_sh), donate_argnums=(4,))
   return empty, turn
+
+
+@functools.lru_cache(maxsize=None)
+def _compactor(mesh: jax.sharding.Mesh, num_kv_heads: int):
+  cache_sh = meshlib.cache_shardings(mesh, num_kv_heads)
+  return jax.jit(_take_rows, in_shardings=(cache_sh, meshlib.replicated(mesh)),
+                 out_shardings=cache_sh, donate_argnums=(0,))
 
 
 class ModelPolicy:
@@ -45,33 +59,76 @@ class ModelPolicy:
   `params` are global arrays on `mesh` (default: a data-parallel mesh over every device). Each
   host passes its own rows, padded with inactive (empty) rows to a multiple of its batch shards.
   One key per turn draws for the whole global batch, so the samples do not depend on the mesh.
+
+  Cost follows use. Each turn attends over a bucketed prefix of the cache that covers the slots
+  written so far (counted here on the host, see `sampling.prefix_bucket`). With `compact` (one
+  host), once the live episodes fit a smaller batch (a power of two, a multiple of the batch
+  shards), the live rows of the cache are gathered into it, so later turns run on live rows only.
+  Greedy episodes are unchanged by compaction; sampled ones draw from other random streams (a
+  row's draw depends on its position in the batch), with the same distribution.
   """
 
   def __init__(self, params, config: ModelConfig, sampling: SamplingConfig, max_slots: int,
-               rng: jax.Array, mesh: Optional[jax.sharding.Mesh] = None):
+               rng: jax.Array, mesh: Optional[jax.sharding.Mesh] = None, compact: bool = True):
     self._mesh = mesh or meshlib.make_mesh(meshlib.DATA_ONLY)
     self._params = params
     self._config, self._sampling, self._max_slots = config, sampling, max_slots
     self._rng = rng
+    self._compact = compact and jax.process_count() == 1  # Hosts would have to agree on sizes.
     self._turn = 0
     self._shards = max(1, meshlib.batch_shards(self._mesh) // jax.process_count())
+    self._rows_R = None  # Episode row (of this host) held by each cache row; -1 for an empty row.
+    self._used = 0  # Cache slots written so far (every row's index is the same).
+
+  def _maybe_compact(self, cache, active_B):
+    """Gathers the live rows into a smaller batch when they fit one."""
+    rows_R = self._rows_R
+    live_R = (rows_R >= 0) & active_B[np.maximum(rows_R, 0)]
+    smaller = 1 << (max(int(live_R.sum()), 1) - 1).bit_length()
+    smaller = -(-smaller // self._shards) * self._shards
+    if smaller >= len(rows_R):
+      return cache
+    # Live rows first; dead rows fill the rest (their chunks are empty from now on).
+    keep_R = np.concatenate([np.flatnonzero(live_R), np.flatnonzero(~live_R)])[:smaller]
+    self._rows_R = np.where(live_R[keep_R], rows_R[keep_R], -1)
+    with jax.set_mesh(self._mesh):
+      return _compactor(self._mesh, self._config.num_kv_heads)(cache, keep_R.astype(np.int32))
 
   def __call__(self, chunk_BxC, chunk_mask_BxC, state, active_B):
-    del active_B  # Inactive rows already have an empty chunk, which rollout treats as finished.
     b, c = chunk_BxC.shape
-    # Every host must pass the same shape (a global array): hosts with fewer rows (an uneven
-    # evaluation split) or a shorter chunk add empty rows and left padding.
-    padded = parallel.global_max(-(-b // self._shards) * self._shards)
-    width = parallel.global_max(c)
-    pads = ((0, padded - b), (width - c, 0))
-    chunk_BxC, chunk_mask_BxC = np.pad(chunk_BxC, pads), np.pad(chunk_mask_BxC, pads)
-    tokens, mask = meshlib.put_rows((chunk_BxC, chunk_mask_BxC), self._mesh)
+    n = self._sampling.max_new_tokens
+    if state is None:
+      # Every host must pass the same shape (a global array): hosts with fewer rows (an uneven
+      # evaluation split) add empty rows.
+      padded = parallel.global_max(-(-b // self._shards) * self._shards)
+      self._rows_R = np.where(np.arange(padded) < b, np.arange(padded), -1)
+      self._used = 0
+      cache = None
+    elif self._compact:
+      cache = self._maybe_compact(state, np.asarray(active_B, bool))
+    else:
+      cache = state
+    rows_R = self._rows_R
+    present_R = rows_R >= 0
+    held_R = np.maximum(rows_R, 0)
+    width = parallel.global_max(c)  # Hosts with a shorter chunk add left padding.
+    pads = ((0, 0), (width - c, 0))
+    tokens_RxC = np.pad(np.where(present_R[:, None], chunk_BxC[held_R], 0), pads)
+    mask_RxC = np.pad(present_R[:, None] & np.asarray(chunk_mask_BxC, bool)[held_R], pads)
+    tokens_RxC = tokens_RxC.astype(chunk_BxC.dtype)
+    prefix = prefix_bucket(min(self._used + width + n, self._max_slots), self._max_slots)
     empty, turn = compiled_turn(self._config, self._sampling, self._mesh,
-                                padded * jax.process_count(), self._max_slots)
+                                len(rows_R) * jax.process_count(), self._max_slots, prefix)
     key = jax.random.fold_in(self._rng, self._turn)
+    tokens, mask = meshlib.put_rows((tokens_RxC, mask_RxC), self._mesh)
     with jax.set_mesh(self._mesh):  # Traced with the mesh in context: see `mesh.constrain_rows`.
-      cache = empty() if state is None else state
+      cache = empty() if cache is None else cache
       reply, reply_mask, cache = turn(self._params, tokens, mask, key, cache)
     self._turn += 1
-    reply, reply_mask = meshlib.local_rows((reply, reply_mask), self._mesh)
-    return reply[:b], reply_mask[:b], cache
+    self._used += width + n
+    reply_RxN, reply_mask_RxN = meshlib.local_rows((reply, reply_mask), self._mesh)
+    reply_BxN = np.full((b, n), self._sampling.pad_id, reply_RxN.dtype)
+    reply_mask_BxN = np.zeros((b, n), bool)
+    reply_BxN[rows_R[present_R]] = reply_RxN[present_R]
+    reply_mask_BxN[rows_R[present_R]] = reply_mask_RxN[present_R]
+    return reply_BxN, reply_mask_BxN, cache

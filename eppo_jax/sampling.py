@@ -18,13 +18,19 @@ returned cache holds every generated token, stop tokens included. A row whose ch
 (an episode that already ended, a filler row) generates nothing in that call.
 
 Static shapes. Left-pad prompts to a few bucket lengths (`left_pad`, `bucket`) and keep a few
-`SamplingConfig`s: XLA then compiles one program per (bucket, config, batch), see
+`SamplingConfig`s: XLA then compiles one program per (bucket, config, batch, prefix), see
 `compiled_programs`. The decode loop exits as soon as every row has stopped.
+
+Cost. A call attends over a static prefix of the cache that covers the slots written before it
+plus its own P + N (`prefix_bucket`: one of five sizes per cache), so the first turn of a long
+episode does not pay for the whole episode's cache. On CPU the decode steps run the layers over
+weights split once per call (`ModelConfig.unroll_decode`), so no step copies a layer's weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional, Sequence
 
 import flax.struct
@@ -33,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from eppo_jax.models.config import ModelConfig
-from eppo_jax.models.transformer import Cache, forward_with_cache, init_cache
+from eppo_jax.models.transformer import (Cache, forward_with_cache, init_cache, unstack_layers,
+                                         write_chunk)
 
 Params = Any
 
@@ -166,23 +173,53 @@ def _check_fits(cache: Cache, t: int, what: str) -> None:
                      f"allocate the first cache with max_len >= {used + t} for the whole episode")
 
 
-def _extend(params, config: ModelConfig, cache: Cache, tokens_BxT, mask_BxT):
+def prefix_bucket(needed: int, slots: int) -> int:
+  """Cache slots a call attends over: the smallest of S/16, S/8, S/4, S/2, S (rounded up to a
+  multiple of 8) that holds `needed`, so XLA compiles a handful of programs per cache size."""
+  if needed > slots:
+    raise ValueError(f"{needed} slots needed but the cache has only {slots}")
+  for i in range(4, 0, -1):
+    size = min(slots, -(-slots // (2 ** i * 8)) * 8)
+    if needed <= size:
+      return size
+  return slots
+
+
+def _prefix(cache: Cache, needed: int, prefix: Optional[int]) -> int:
+  """The static prefix of a call that writes `needed` more slots: as given, or bucketed from the
+  cache's index when it is concrete, or the whole cache when it is traced."""
+  slots = cache["mask"].shape[1]
+  if prefix is not None:
+    if not 0 < prefix <= slots:
+      raise ValueError(f"prefix={prefix} must be in [1, {slots}] (the cache's slots)")
+    return prefix
+  index = cache["index"]
+  if isinstance(index, jax.core.Tracer):
+    return slots
+  return prefix_bucket(int(index) + needed, slots)
+
+
+def _extend(params, config: ModelConfig, cache: Cache, tokens_BxT, mask_BxT, prefix: int):
   """Un-jitted body of `extend`; logits are NaN if the chunk did not fit (traced overflow)."""
-  fits = cache["index"] + tokens_BxT.shape[1] <= cache["mask"].shape[1]
-  logits_BxTxV, cache = forward_with_cache(params, config, tokens_BxT, mask_BxT, cache)
+  fits = cache["index"] + tokens_BxT.shape[1] <= prefix
+  logits_BxTxV, cache = forward_with_cache(params, config, tokens_BxT, mask_BxT, cache, prefix)
   return jnp.where(fits, logits_BxTxV, jnp.nan), cache
 
 
-_extend_jit = jax.jit(_extend, static_argnames=("config",), donate_argnames=("cache",))
+_extend_jit = jax.jit(_extend, static_argnames=("config", "prefix"), donate_argnames=("cache",))
 
 
-def extend(params: Params, config: ModelConfig, cache: Cache, new_tokens_BxT, new_mask_BxT):
+def extend(params: Params, config: ModelConfig, cache: Cache, new_tokens_BxT, new_mask_BxT,
+           prefix: Optional[int] = None):
   """Appends a left-padded chunk after the cache's content -> (logits [B,T,V] float32, cache).
 
-  The input cache is donated: use only the returned one.
+  The chunk attends over the first `prefix` cache slots (static; by default a bucket that covers
+  the slots in use, see `prefix_bucket`). The input cache is donated: use only the returned one.
   """
-  _check_fits(cache, new_tokens_BxT.shape[1], "extend")
-  return _extend_jit(params, config, cache, new_tokens_BxT, new_mask_BxT)
+  t = new_tokens_BxT.shape[1]
+  _check_fits(cache, t, "extend")
+  return _extend_jit(params, config, cache, new_tokens_BxT, new_mask_BxT,
+                     _prefix(cache, t, prefix))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,7 +227,8 @@ def extend(params: Params, config: ModelConfig, cache: Cache, new_tokens_BxT, ne
 
 
 def _rollout(params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP, rng,
-             sampling: SamplingConfig, cache: Optional[Cache], max_len: Optional[int]):
+             sampling: SamplingConfig, cache: Optional[Cache], max_len: Optional[int],
+             prefix: Optional[int] = None):
   """Un-jitted body of `rollout` (see there)."""
   b = prompt_tokens_BxP.shape[0]
   n = sampling.max_new_tokens
@@ -199,11 +237,28 @@ def _rollout(params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP, rn
     # constant-folding the prefill's attention over the empty slots.
     cache = jax.lax.optimization_barrier(
         init_cache(config, b, max_len or prompt_tokens_BxP.shape[1] + n))
+  prefix = prefix or cache["mask"].shape[1]
   prompt_mask_BxP = prompt_mask_BxP.astype(bool)
-  fits = cache["index"] + prompt_tokens_BxP.shape[1] + n <= cache["mask"].shape[1]
+  fits = cache["index"] + prompt_tokens_BxP.shape[1] + n <= prefix
+  forward = functools.partial(forward_with_cache, params, config, prefix=prefix)
 
-  prompt_logits_BxPxV, cache = forward_with_cache(params, config, prompt_tokens_BxP,
-                                                  prompt_mask_BxP, cache)
+  prompt_logits_BxPxV, cache = forward(prompt_tokens_BxP, prompt_mask_BxP, cache)
+  unroll = config.unroll_decode
+  unroll = unroll if unroll is not None else jax.default_backend() == "cpu"
+  if unroll:
+    # Split the stacked layer weights once, outside the loop, so decode steps read them in place.
+    # Each step's keys are then written at the start of the next step (see `forward_with_cache`);
+    # the first such write puts zeros into the next free slot, which the first step then fills.
+    forward = functools.partial(forward_with_cache, unstack_layers(params), config, prefix=prefix)
+  l, _, k, _, h = cache["k"].shape
+  zeros = jnp.zeros((l, b, k, 1, h), cache["k"].dtype)
+  pending = (zeros, zeros, cache["index"])  # Unused by the rolled layer loop, which writes at once.
+
+  def decode_step(token_B, live_B, cache, pending):
+    if unroll:
+      return forward(token_B[:, None], live_B[:, None], write_chunk(cache, pending),
+                     defer_write=True)
+    return (*forward(token_B[:, None], live_B[:, None], cache), pending)
   # Left padding puts every row's last valid token in the last column.
   logits_BxV = jnp.where(fits, prompt_logits_BxPxV[:, -1], jnp.nan)
   # A row with nothing in its chunk has no next-token distribution: it is finished (e.g. an episode
@@ -216,7 +271,8 @@ def _rollout(params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP, rn
     return (step < n) & ~jnp.all(done_B)
 
   def body(carry):
-    step, logits_BxV, done_B, cache, tokens_BxN, logprobs_BxN, entropies_BxN, mask_BxN = carry
+    (step, logits_BxV, done_B, cache, pending, tokens_BxN, logprobs_BxN, entropies_BxN,
+     mask_BxN) = carry
     token_B, logprob_B, entropy_B = sample_token(logits_BxV, jax.random.fold_in(rng, step),
                                                  sampling)
     live_B = ~done_B
@@ -229,46 +285,55 @@ def _rollout(params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP, rn
     # Write the token just drawn (stop tokens included) so the cache holds the whole reply and a
     # later turn can continue it; finished rows write a masked pad slot. The logits of the last
     # step are unused, the price of a cache that is complete when the loop exits.
-    logits_Bx1xV, cache = forward_with_cache(params, config, token_B[:, None], live_B[:, None],
-                                             cache)
+    logits_Bx1xV, cache, pending = decode_step(token_B, live_B, cache, pending)
     done_B = done_B | stopped_B | (step + 1 >= n)
-    return (step + 1, logits_Bx1xV[:, 0], done_B, cache, tokens_BxN, logprobs_BxN, entropies_BxN,
-            mask_BxN)
+    return (step + 1, logits_Bx1xV[:, 0], done_B, cache, pending, tokens_BxN, logprobs_BxN,
+            entropies_BxN, mask_BxN)
 
-  carry = (jnp.zeros((), jnp.int32), logits_BxV, done_B, cache,
+  carry = (jnp.zeros((), jnp.int32), logits_BxV, done_B, cache, pending,
            jnp.full((b, n), sampling.pad_id, jnp.int32), jnp.zeros((b, n), jnp.float32),
            jnp.zeros((b, n), jnp.float32), jnp.zeros((b, n), bool))
-  _, _, _, cache, tokens_BxN, logprobs_BxN, entropies_BxN, mask_BxN = jax.lax.while_loop(
-      cond, body, carry)
+  _, _, _, cache, pending, tokens_BxN, logprobs_BxN, entropies_BxN, mask_BxN = (
+      jax.lax.while_loop(cond, body, carry))
+  if unroll:
+    cache = write_chunk(cache, pending)
   return RolloutOutput(tokens=tokens_BxN, logprobs=logprobs_BxN, entropies=entropies_BxN,
                        mask=mask_BxN, lengths=mask_BxN.sum(axis=1, dtype=jnp.int32), cache=cache)
 
 
-_rollout_jit = jax.jit(_rollout, static_argnames=("config", "sampling", "max_len"),
+_rollout_jit = jax.jit(_rollout, static_argnames=("config", "sampling", "max_len", "prefix"),
                        donate_argnames=("cache",))
 
 
 def rollout(params: Params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP, rng,
             sampling: SamplingConfig, cache: Optional[Cache] = None,
-            max_len: Optional[int] = None) -> RolloutOutput:
+            max_len: Optional[int] = None, prefix: Optional[int] = None) -> RolloutOutput:
   """Prefills left-padded prompts (or appends them to `cache`) and samples up to N tokens per row.
 
   Rows stop on any stop id or after `max_new_tokens`; the loop exits once every row has stopped.
   Without `cache`, a cache of `max_len` slots (default P + N) is allocated; give the whole
   episode's length to continue the conversation later with `rollout(..., cache=out.cache)`.
-  A passed cache is donated. Pure and jitted (static `config`, `sampling`, `max_len`); callable
-  inside `jax.pmap`, where each device samples its shard with its own `rng`.
+  Attention reads only the first `prefix` cache slots (static), which must cover the slots used
+  before the call plus P + N; by default a bucket of the cache size that does (`prefix_bucket`),
+  or the whole cache when the index is traced (inside pmap: pass `prefix` from the host's count).
+  A passed cache is donated. Pure and jitted (static `config`, `sampling`, `max_len`, `prefix`);
+  callable inside `jax.pmap`, where each device samples its shard with its own `rng`.
   """
   p, n = prompt_tokens_BxP.shape[1], sampling.max_new_tokens
   if cache is None:
     if max_len is not None and max_len < p + n:
       raise ValueError(f"max_len={max_len} is smaller than prompt {p} + max_new_tokens {n}")
+    slots = max_len or p + n
+    prefix = prefix_bucket(p + n, slots) if prefix is None else prefix
+    if not p + n <= prefix <= slots:
+      raise ValueError(f"prefix={prefix} must be in [{p + n}, {slots}] for a new cache")
   else:
     if max_len is not None:
       raise ValueError("max_len only sizes a new cache; the passed cache keeps its own size")
     _check_fits(cache, p + n, "rollout")
+    prefix = _prefix(cache, p + n, prefix)
   return _rollout_jit(params, config, prompt_tokens_BxP, prompt_mask_BxP, rng, sampling, cache,
-                      max_len)
+                      max_len, prefix)
 
 
 def compiled_programs() -> int:

@@ -312,3 +312,38 @@ def test_model_policy_collects_consistent_greedy_episodes(pretrained, chat):
     checked += decided.sum()
   assert checked >= 0.9 * batch.loss_mask.sum()
 
+
+
+def test_model_policy_compaction_keeps_greedy_replies(pretrained, chat):
+  """Turns after episodes end run on a compacted cache and reply exactly as without compaction."""
+  mesh = meshlib.make_mesh(meshlib.DATA_ONLY)
+  params = meshlib.put(pretrained.params, meshlib.shardings(pretrained.params, mesh))
+  cfg = _sampling_cfg(chat, greedy=True)
+  d = jax.device_count()
+  n = 3 * d  # 3 rows per device.
+  rng = np.random.default_rng(0)
+  vocab = pretrained.config.vocab_size
+  # Live episodes per turn: all, then at most one per device (1 row), then the first two only.
+  actives = [np.ones(n, bool), np.arange(n) % 3 == 1, np.isin(np.arange(n), [1, 4])]
+  policies = {c: ModelPolicy(params, pretrained.config, cfg, 256, jax.random.PRNGKey(0), mesh,
+                             compact=c) for c in (False, True)}
+  states = {c: None for c in policies}
+  expected_rows = n
+  for turn, active in enumerate(actives):
+    lengths = rng.integers(3, 20, n)
+    chunk, mask = sampling.left_pad(
+        [list(rng.integers(5, vocab, k)) if a else [] for k, a in zip(lengths, active)], [32], 0)
+    replies = {}
+    for c, policy in policies.items():
+      reply, reply_mask, states[c] = policy(chunk, mask, states[c], active.copy())
+      replies[c] = (reply, reply_mask)
+    (plain, plain_mask), (packed, packed_mask) = replies[False], replies[True]
+    np.testing.assert_array_equal(packed_mask, plain_mask)
+    np.testing.assert_array_equal(packed[active], plain[active])
+    assert plain_mask[active].any(axis=1).all() and not plain_mask[~active].any()
+    # The live rows, in the smallest power of two that is a multiple of the devices.
+    live = 1 << (int(active.sum()) - 1).bit_length()
+    expected_rows = min(expected_rows, -(-live // d) * d)
+    assert states[True]["mask"].shape[0] == expected_rows, (turn, states[True]["mask"].shape)
+    assert states[False]["mask"].shape[0] == n
+  assert expected_rows < n  # The test did compact.

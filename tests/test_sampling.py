@@ -341,3 +341,58 @@ def test_greedy_matches_transformers_generate(tmp_path):
   out = sampling.rollout(pre.params, pre.config, jnp.asarray(prompt), jnp.asarray(mask),
                          jax.random.PRNGKey(0), SamplingConfig(max_new_tokens=n, greedy=True))
   np.testing.assert_array_equal(np.asarray(out.tokens), hf_tokens)
+
+
+def test_prefix_bucket():
+  assert [sampling.prefix_bucket(n, 256) for n in (1, 16, 17, 33, 100, 129, 256)] == [
+      16, 16, 32, 64, 128, 256, 256]
+  assert sampling.prefix_bucket(5, 24) == 8  # Rounded up to a multiple of 8, capped at S.
+  with pytest.raises(ValueError, match="only 24"):
+    sampling.prefix_bucket(25, 24)
+
+
+def test_rollout_over_the_used_prefix_equals_the_full_cache(params):
+  """Three turns attending over bucketed prefixes of a 256-slot cache == over all 256 slots."""
+  rng = np.random.default_rng(14)
+  cfg = SamplingConfig(max_new_tokens=6, greedy=True, stop_token_ids=(3,))
+  chunks = [sampling.left_pad(_ragged_prompts(rng, lengths), (8,), 0)
+            for lengths in ([3, 8, 5], [2, 4, 1], [6, 1, 3])]
+  outs = {}
+  for name in ("bucketed", "full"):
+    cache, outs[name] = None, []
+    for turn, (tokens, mask) in enumerate(chunks):
+      kw = dict(max_len=256) if cache is None else dict(cache=cache)
+      prefix = 256 if name == "full" else None
+      out = sampling.rollout(params, TINY, jnp.asarray(tokens), jnp.asarray(mask),
+                             jax.random.PRNGKey(turn), cfg, prefix=prefix, **kw)
+      cache = out.cache
+      outs[name].append(out)
+  assert sampling.prefix_bucket(8 + 6, 256) == 16  # The first turn reads 16 of 256 slots.
+  for bucketed, full in zip(outs["bucketed"], outs["full"]):
+    np.testing.assert_array_equal(np.asarray(bucketed.tokens), np.asarray(full.tokens))
+    np.testing.assert_array_equal(np.asarray(bucketed.mask), np.asarray(full.mask))
+    np.testing.assert_allclose(np.asarray(bucketed.logprobs), np.asarray(full.logprobs),
+                               atol=1e-5, rtol=0)
+  with pytest.raises(ValueError, match="prefix"):
+    sampling.rollout(params, TINY, jnp.asarray(chunks[0][0]), jnp.asarray(chunks[0][1]),
+                     jax.random.PRNGKey(0), cfg, max_len=256, prefix=8)
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+def test_decode_layer_loop_rolled_or_unrolled_equals_uncached(params, unroll):
+  """Both decode layer loops (scan over stacked weights / unrolled over split ones) match."""
+  config = TINY.replace(unroll_decode=unroll)
+  rng = np.random.default_rng(15)
+  prompt, mask = sampling.left_pad(_ragged_prompts(rng, [3, 7]), (8,), 0)
+  cfg = SamplingConfig(max_new_tokens=5, temperature=0.8)
+  turn1 = sampling.rollout(params, config, jnp.asarray(prompt), jnp.asarray(mask),
+                           jax.random.PRNGKey(1), cfg, max_len=32)
+  reply1 = (np.asarray(turn1.tokens), np.asarray(turn1.mask))
+  obs, obs_mask = sampling.left_pad(_ragged_prompts(rng, [2, 4]), (4,), 0)
+  turn2 = sampling.rollout(params, config, jnp.asarray(obs), jnp.asarray(obs_mask),
+                           jax.random.PRNGKey(2), cfg, cache=turn1.cache)
+  reply2 = (np.asarray(turn2.tokens), np.asarray(turn2.mask))
+  recomputed = _teacher_forced(params, TINY, [(prompt, mask), reply1, (obs, obs_mask), reply2],
+                               cfg.temperature)
+  for out, (lp, _) in ((turn1, recomputed[1]), (turn2, recomputed[3])):
+    np.testing.assert_allclose(np.asarray(out.logprobs), lp, atol=TOL, rtol=0)

@@ -54,12 +54,29 @@ class ModelConfig:
   dtype: str = "float32"  # Activations / matmul inputs; logits are always float32.
   param_dtype: str = "float32"  # Storage dtype of the weights.
   remat: bool = False  # Recompute each layer in the backward pass to save activation memory.
+  # "blockwise": query x key blocks with an online softmax, no [B,N,T,S] scores (dense when the
+  # sequence fits one block); "dense": all scores at once (the reference); "xla" / "cudnn":
+  # `jax.nn.dot_product_attention` with that implementation for the uncached forward (cudnn needs
+  # an NVIDIA GPU and half precision), blockwise elsewhere.
+  attention_impl: str = "blockwise"
+  attention_block_q: int = 512  # Queries per block of the blockwise kernel.
+  attention_block_k: int = 512  # Keys per block of the blockwise kernel.
+  # Decode steps run the layers in a Python loop over weights split once per rollout call, instead
+  # of slicing the stacked weights at every step (a copy per layer per step on CPU). Costs one
+  # transient copy of the layer weights and compile time linear in L. None = on CPU only.
+  unroll_decode: Optional[bool] = None
   lora: Optional[LoraConfig] = None
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
                        f"num_kv_heads={self.num_kv_heads}")
+    impls = ("blockwise", "dense", "xla", "cudnn")
+    if self.attention_impl not in impls:
+      raise ValueError(f"ModelConfig.attention_impl must be one of {impls}, got "
+                       f"{self.attention_impl!r}")
+    if self.attention_block_q <= 0 or self.attention_block_k <= 0:
+      raise ValueError("ModelConfig.attention_block_q and attention_block_k must be positive")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"ModelConfig.{name} must be float32, bfloat16 or float16")

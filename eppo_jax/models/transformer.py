@@ -14,21 +14,20 @@ sequence reproduces the cached computation.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from eppo_jax import mesh
+from eppo_jax.models.attention import KeySource, attend
 from eppo_jax.models.config import ModelConfig
 
 Params = Any
 # Keys/values are stored [L,B,K,S,H] (slots next to head_dim) so that a layer's slice feeds both
 # attention matmuls without a transposing copy of the cache at every decode step.
 Cache = dict  # {"k","v": [L,B,K,S,H], "mask": [B,S] bool, "index": [] int32, "pos": [B] int32}
-
-_MASK_VALUE = -1e30  # Finite, so a fully masked (padding) query row gives a uniform, not NaN, row.
 
 
 def rope_frequencies(config: ModelConfig) -> jnp.ndarray:
@@ -112,7 +111,7 @@ class Attention(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD, sin, cos, mask_BxTxS, kv_cache, index):
+  def __call__(self, x_BxTxD, sin, cos, token_mask_BxT, kv_cache):
     cfg = self.config
     b, t, _ = x_BxTxD.shape
     n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -127,35 +126,22 @@ class Attention(nn.Module):
 
     # Grouped-query attention: query heads are grouped G = N / K per key/value head.
     q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, k, n // k, h)
-    if kv_cache is None:
-      scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxTxKxH,
-                          preferred_element_type=jnp.float32) / math.sqrt(h)
-      scores = jnp.where(mask_BxTxS[:, None, None], scores, _MASK_VALUE)
-      probs = jax.nn.softmax(scores, axis=-1).astype(cfg.compute_dtype)
-      out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxTxKxH.astype(cfg.compute_dtype))
-      new_cache = None
-    else:
-      # Attend to the slots written before this chunk and to the chunk itself, and return only the
-      # chunk: `forward_with_cache` writes all layers' chunks into the cache in one in-place update.
-      # Updating this layer's cache slice here instead made XLA copy the whole cache through the
-      # layer scan at every decode step.
-      cache_k, cache_v = kv_cache  # [B,K,S,H] each.
-      s = cache_k.shape[2]
+    k_BxKxTxH, v_BxKxTxH = k_BxTxKxH.transpose(0, 2, 1, 3), v_BxTxKxH.transpose(0, 2, 1, 3)
+    sources = []
+    new_cache = None
+    if kv_cache is not None:
+      # Attend to the cache slots written before this chunk and to the chunk itself, and return
+      # only the chunk: `forward_with_cache` writes all layers' chunks into the cache in one
+      # in-place update. Updating this layer's cache slice here instead made XLA copy the whole
+      # cache through the layer scan at every decode step.
+      cache_k, cache_v, cache_valid_BxS = kv_cache  # [B,K,S,H], [B,K,S,H], [B,S]
       # Round-trip through the cache dtype, so the chunk is seen exactly as later reads will see it.
-      k_BxTxKxH, v_BxTxKxH = k_BxTxKxH.astype(cache_k.dtype), v_BxTxKxH.astype(cache_v.dtype)
-      old_mask_BxTxS = mask_BxTxS & (jnp.arange(s) < index)[None, None, :]
-      new_mask_BxTxT = jax.lax.dynamic_slice_in_dim(mask_BxTxS, index, t, axis=2)
-      old_scores = jnp.einsum("btkgh,bksh->bkgts", q_BxTxKxGxH, cache_k.astype(q_BxTxNxH.dtype),
-                              preferred_element_type=jnp.float32) / math.sqrt(h)
-      new_scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxTxKxH.astype(q_BxTxNxH.dtype),
-                              preferred_element_type=jnp.float32) / math.sqrt(h)
-      scores = jnp.concatenate(
-          [jnp.where(old_mask_BxTxS[:, None, None], old_scores, _MASK_VALUE),
-           jnp.where(new_mask_BxTxT[:, None, None], new_scores, _MASK_VALUE)], axis=-1)
-      probs = jax.nn.softmax(scores, axis=-1).astype(cfg.compute_dtype)
-      out = (jnp.einsum("bkgts,bksh->btkgh", probs[..., :s], cache_v.astype(cfg.compute_dtype))
-             + jnp.einsum("bkgts,bskh->btkgh", probs[..., s:], v_BxTxKxH.astype(cfg.compute_dtype)))
-      new_cache = (k_BxTxKxH.transpose(0, 2, 1, 3), v_BxTxKxH.transpose(0, 2, 1, 3))
+      k_BxKxTxH, v_BxKxTxH = k_BxKxTxH.astype(cache_k.dtype), v_BxKxTxH.astype(cache_v.dtype)
+      sources.append(KeySource(cache_k, cache_v, cache_valid_BxS, causal=False))
+      new_cache = (k_BxKxTxH, v_BxKxTxH)
+    sources.append(KeySource(k_BxKxTxH, v_BxKxTxH, token_mask_BxT, causal=True))
+    out = attend(q_BxTxKxGxH, sources, impl=cfg.attention_impl, block_q=cfg.attention_block_q,
+                 block_k=cfg.attention_block_k, dtype=cfg.compute_dtype)
     out_BxTxD = Linear(cfg.hidden_size, cfg, name="o_proj")(out.reshape(b, t, n * h))
     return out_BxTxD, new_cache
 
@@ -172,18 +158,19 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  """Pre-norm block; scanned over layers: `kv_cache` is this layer's cache slice, and the returned
-  cache is this layer's (k, v) of the new chunk (written into the cache by `forward_with_cache`)."""
+  """Pre-norm block; scanned over layers: `kv_cache` is this layer's (k, v) cache slice, and the
+  returned cache is this layer's (k, v) of the new chunk (written by `forward_with_cache`)."""
 
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD, sin, cos, mask_BxTxS, kv_cache, index):
+  def __call__(self, x_BxTxD, sin, cos, token_mask_BxT, kv_cache, cache_valid_BxS):
     cfg = self.config
     x_BxTxD = mesh.constrain_rows(x_BxTxD)  # On a mesh: gather this layer's weights, not rows.
     norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.weight_dtype, name=name)
+    layer_cache = None if kv_cache is None else (*kv_cache, cache_valid_BxS)
     attn_out, new_cache = Attention(cfg, name="self_attn")(
-        norm("input_layernorm")(x_BxTxD), sin, cos, mask_BxTxS, kv_cache, index)
+        norm("input_layernorm")(x_BxTxD), sin, cos, token_mask_BxT, layer_cache)
     x_BxTxD = x_BxTxD + attn_out
     x_BxTxD = x_BxTxD + MLP(cfg, name="mlp")(norm("post_attention_layernorm")(x_BxTxD))
     return mesh.constrain_rows(x_BxTxD), new_cache
@@ -195,7 +182,11 @@ class Transformer(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, kv_cache=None, index=None):
+  def __call__(self, tokens_BxT, positions_BxT, token_mask_BxT, kv_cache=None,
+               cache_valid_BxS=None):
+    """`token_mask_BxT` marks valid tokens (attention is causal over them); with a cache,
+    `kv_cache` = (k, v) [L,B,K,S,H] are the slots before the chunk and `cache_valid_BxS` the
+    visible ones among them."""
     cfg = self.config
     embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=cfg.weight_dtype,
                      embedding_init=nn.initializers.normal(0.02), name="embed_tokens")
@@ -204,11 +195,27 @@ class Transformer(nn.Module):
     angles_BxTxH = jnp.concatenate([angles, angles], axis=-1)
     sin, cos = (f(angles_BxTxH).astype(cfg.compute_dtype) for f in (jnp.sin, jnp.cos))
 
-    layer_cls = nn.remat(DecoderLayer, prevent_cse=False) if cfg.remat else DecoderLayer
-    layers = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
-                     in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0, nn.broadcast),
-                     length=cfg.num_layers)
-    x_BxTxD, new_cache = layers(cfg, name="layers")(x_BxTxD, sin, cos, mask_BxTxS, kv_cache, index)
+    layer_params = self.variables.get("params", {}).get("layers")
+    if isinstance(layer_params, tuple):  # Split by `unstack_layers`: one tree per layer.
+      # A Python loop over layers whose weights are separate buffers: each layer reads its weights
+      # in place. Slicing the stacked [L, ...] weights (scan or unrolled) copies each layer's slice
+      # at every call, which on CPU costs more than a decode step's matmuls.
+      new_k, new_v = [], []
+      for l, p in enumerate(layer_params):
+        layer_cache = None if kv_cache is None else (kv_cache[0][l], kv_cache[1][l])
+        x_BxTxD, c = DecoderLayer(cfg).apply({"params": p}, x_BxTxD, sin, cos, token_mask_BxT,
+                                             layer_cache, cache_valid_BxS)
+        if c is not None:
+          new_k.append(c[0])
+          new_v.append(c[1])
+      new_cache = (jnp.stack(new_k), jnp.stack(new_v)) if new_k else None
+    else:
+      layer_cls = nn.remat(DecoderLayer, prevent_cse=False) if cfg.remat else DecoderLayer
+      layers = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
+                       in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0, nn.broadcast),
+                       length=cfg.num_layers)
+      x_BxTxD, new_cache = layers(cfg, name="layers")(x_BxTxD, sin, cos, token_mask_BxT, kv_cache,
+                                                      cache_valid_BxS)
 
     x_BxTxD = RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.weight_dtype, name="norm")(x_BxTxD)
     if cfg.tie_word_embeddings:
@@ -222,8 +229,21 @@ class Transformer(nn.Module):
 def init_params(config: ModelConfig, rng: jax.Array) -> Params:
   """Random parameters (plus LoRA leaves when `config.lora` is set), without materialising a batch."""
   tokens = jnp.zeros((1, 1), jnp.int32)
-  mask = jnp.ones((1, 1, 1), bool)
-  return Transformer(config).init(rng, tokens, tokens, mask)
+  return Transformer(config).init(rng, tokens, tokens, jnp.ones((1, 1), bool))
+
+
+def unstack_layers(params: Params) -> Params:
+  """The same params with the stacked [L, ...] layer weights split into a tuple of L trees.
+
+  `Transformer` runs such params layer by layer in a Python loop. A decode loop splits once per
+  call (one copy of the layer weights) so that its steps read every weight in place.
+  """
+  inner = dict(params["params"])
+  stacked = inner["layers"]
+  num_layers = jax.tree_util.tree_leaves(stacked)[0].shape[0]
+  inner["layers"] = tuple(jax.tree_util.tree_map(lambda x, l=l: x[l], stacked)
+                          for l in range(num_layers))
+  return {**params, "params": inner}
 
 
 def positions_from_mask(mask_BxT, start_B=None):
@@ -237,10 +257,7 @@ def positions_from_mask(mask_BxT, start_B=None):
 def logits(params: Params, config: ModelConfig, tokens_BxT, attention_mask_BxT) -> jax.Array:
   """Full causal forward without cache -> float32 logits [B,T,V]; works on left or right padding."""
   valid_BxT = attention_mask_BxT.astype(bool)
-  t = tokens_BxT.shape[1]
-  causal_TxT = jnp.tril(jnp.ones((t, t), bool))
-  mask_BxTxT = causal_TxT[None] & valid_BxT[:, None, :]
-  out, _ = Transformer(config).apply(params, tokens_BxT, positions_from_mask(valid_BxT), mask_BxTxT)
+  out, _ = Transformer(config).apply(params, tokens_BxT, positions_from_mask(valid_BxT), valid_BxT)
   return out
 
 
@@ -257,31 +274,49 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> Cac
   }
 
 
+def write_chunk(cache: Cache, chunk_kv) -> Cache:
+  """Writes a chunk's keys and values (`forward_with_cache(..., defer_write=True)`) into the cache."""
+  k_LxBxKxTxH, v_LxBxKxTxH, index = chunk_kv
+  start = (0, 0, 0, index, 0)
+  return {**cache, "k": jax.lax.dynamic_update_slice(cache["k"], k_LxBxKxTxH, start),
+          "v": jax.lax.dynamic_update_slice(cache["v"], v_LxBxKxTxH, start)}
+
+
 def forward_with_cache(params: Params, config: ModelConfig, tokens_BxT, token_mask_BxT,
-                       cache: Cache) -> tuple[jax.Array, Cache]:
-  """Writes `T` new tokens at `cache["index"]` and returns their float32 logits [B,T,V].
+                       cache: Cache, prefix: Optional[int] = None, defer_write: bool = False):
+  """Writes `T` new tokens at `cache["index"]` -> (float32 logits [B,T,V], cache).
 
   Rows may be left-padded inside the chunk (`token_mask_BxT` False on pads); pads are never attended.
-  The caller guarantees `index + T <= S` (checked statically where shapes allow).
+  The chunk attends only to the first `prefix` slots of the cache (static; default all S): the
+  caller guarantees `index + T <= prefix <= S` (checked statically where shapes allow), so a call
+  pays for the slots in use rather than for the whole episode's cache.
+
+  With `defer_write`, the chunk's keys and values are returned instead of written, as a third
+  output for `write_chunk`; the cache's mask and index already count them. A decode loop writes
+  them at the start of its next step: a write in the same step as the layers' reads of the cache
+  is not ordered after the last layer's read when the layers are unrolled, and XLA then copies
+  the whole cache at every step.
   """
   t, s = tokens_BxT.shape[1], cache["mask"].shape[1]
-  if t > s:
-    raise ValueError(f"chunk of {t} tokens does not fit a cache of {s} slots")
+  prefix = s if prefix is None else prefix
+  if not t <= prefix <= s:
+    raise ValueError(f"chunk of {t} tokens and prefix {prefix} do not fit a cache of {s} slots")
   index = cache["index"]
   valid_BxT = token_mask_BxT.astype(bool)
   positions_BxT = positions_from_mask(valid_BxT, cache["pos"])
-  slot_mask_BxS = jax.lax.dynamic_update_slice(cache["mask"], valid_BxT, (0, index))
-  query_slot_T = index + jnp.arange(t)
-  causal_TxS = jnp.arange(s)[None, :] <= query_slot_T[:, None]
-  mask_BxTxS = causal_TxS[None] & slot_mask_BxS[:, None, :]
+  # Slots before the chunk; the chunk's own keys come straight from this call's projections.
+  old_valid_BxP = cache["mask"][:, :prefix] & (jnp.arange(prefix) < index)[None]
+  used = lambda c: c[:, :, :, :prefix]
   out, (k_LxBxKxTxH, v_LxBxKxTxH) = Transformer(config).apply(
-      params, tokens_BxT, positions_BxT, mask_BxTxS, (cache["k"], cache["v"]), index)
-  start = (0, 0, 0, index, 0)
+      params, tokens_BxT, positions_BxT, valid_BxT, (used(cache["k"]), used(cache["v"])),
+      old_valid_BxP)
   new_cache = {
-      "k": jax.lax.dynamic_update_slice(cache["k"], k_LxBxKxTxH, start),
-      "v": jax.lax.dynamic_update_slice(cache["v"], v_LxBxKxTxH, start),
-      "mask": slot_mask_BxS,
+      **cache,
+      "mask": jax.lax.dynamic_update_slice(cache["mask"], valid_BxT, (0, index)),
       "index": index + t,
       "pos": cache["pos"] + valid_BxT.sum(axis=1, dtype=jnp.int32),
   }
-  return out, new_cache
+  chunk_kv = (k_LxBxKxTxH, v_LxBxKxTxH, index)
+  if defer_write:
+    return out, new_cache, chunk_kv
+  return out, write_chunk(new_cache, chunk_kv)

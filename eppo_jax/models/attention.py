@@ -1,0 +1,272 @@
+"""Attention kernels: a dense reference, a blockwise online-softmax kernel, and JAX's fused one.
+
+Shape letters: B batch, T queries, S keys, K key/value heads, G query heads per key/value head
+(grouped-query attention), H head dim.
+
+Keys come in *sources*, each a `KeySource(k_BxKxSxH, v_BxKxSxH, valid_BxS, causal)`: the cache
+slots written before a chunk (`causal=False`: every valid slot is visible) and the chunk itself
+(`causal=True`: key j is visible to query t when j <= t). One softmax runs over all sources, so a
+chunk attends to the cache and to itself without concatenating the two.
+
+The blockwise kernel walks query blocks x key blocks with a running max and sum in float32, and
+skips key blocks above the causal diagonal and blocks without a valid key (the unused tail of a
+cache). No `[B, heads, T, S]` array exists: its temporaries scale with one block pair. The
+uncached causal case has a custom VJP of the same structure (the flash-attention backward,
+recomputing each block's probabilities from the saved log-sum-exp), so training memory does not
+grow with T^2 either.
+
+A fully masked query row (a pad) gets a uniform average of the values it visited, never NaN; its
+output differs between implementations and is never read by a valid position.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+MASK_VALUE = -1e30  # Finite, so a fully masked (padding) query row gives a uniform, not NaN, row.
+IMPLEMENTATIONS = ("blockwise", "dense", "xla", "cudnn")
+
+
+class KeySource(NamedTuple):
+  k_BxKxSxH: jax.Array
+  v_BxKxSxH: jax.Array
+  valid_BxS: jax.Array  # bool
+  causal: bool  # Key j visible to query t only when j <= t (the chunk's own keys).
+
+
+def _visible(valid_BxS, causal: bool, q_start, k_start, tq: int, sk: int):
+  """[B,tq,sk] bool: which keys of a block each query of a block may attend to."""
+  visible_BxTxS = jnp.broadcast_to(valid_BxS[:, None, :], (valid_BxS.shape[0], tq, sk))
+  if causal:
+    q_T = q_start + jnp.arange(tq)
+    k_S = k_start + jnp.arange(sk)
+    visible_BxTxS = visible_BxTxS & (k_S[None, :] <= q_T[:, None])[None]
+  return visible_BxTxS
+
+
+def _scores(q_BxKxGxTxH, k_BxKxSxH, visible_BxTxS, scale):
+  s = jnp.einsum("bkgth,bksh->bkgts", q_BxKxGxTxH, k_BxKxSxH.astype(q_BxKxGxTxH.dtype),
+                 preferred_element_type=jnp.float32) * scale
+  return jnp.where(visible_BxTxS[:, None, None], s, MASK_VALUE)
+
+
+def dense_attention(q_BxTxKxGxH, sources, dtype):
+  """Reference: all scores at once, one softmax over the concatenated sources -> [B,T,K,G,H]."""
+  t, h = q_BxTxKxGxH.shape[1], q_BxTxKxGxH.shape[-1]
+  q_BxKxGxTxH = q_BxTxKxGxH.transpose(0, 2, 3, 1, 4)
+  scores = [_scores(q_BxKxGxTxH, src.k_BxKxSxH,
+                    _visible(src.valid_BxS, src.causal, 0, 0, t, src.k_BxKxSxH.shape[2]),
+                    1 / math.sqrt(h)) for src in sources]
+  probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(dtype)
+  out, start = 0, 0
+  for src in sources:
+    s = src.k_BxKxSxH.shape[2]
+    out = out + jnp.einsum("bkgts,bksh->btkgh", probs[..., start:start + s],
+                           src.v_BxKxSxH.astype(dtype))
+    start += s
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Blockwise kernel.
+
+
+def _pad_to(x, axis: int, multiple: int, value=0):
+  size = x.shape[axis]
+  extra = -size % multiple
+  if not extra:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _padded_source(src: KeySource, block_k: int) -> KeySource:
+  """Keys padded to a whole number of blocks; the padding keys are invalid."""
+  return KeySource(_pad_to(src.k_BxKxSxH, 2, block_k), _pad_to(src.v_BxKxSxH, 2, block_k),
+                   _pad_to(src.valid_BxS, 1, block_k, False), src.causal)
+
+
+def _key_block(src: KeySource, j, block_k: int):
+  """(k, v, valid) of key block j."""
+  take = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, j * block_k, block_k, axis)
+  return take(src.k_BxKxSxH, 2), take(src.v_BxKxSxH, 2), take(src.valid_BxS, 1)
+
+
+def _block_needed(src: KeySource, valid_BxS, q_start, k_start, block_q: int):
+  """Whether a key block can hold a key visible to the query block (else it is skipped)."""
+  needed = jnp.any(valid_BxS)
+  if src.causal:
+    needed = needed & (k_start <= q_start + block_q - 1)
+  return needed
+
+
+def _forward_query_block(q_BxKxGxTxH, sources, q_start, block_k: int, dtype):
+  """Online softmax of one query block over every key block -> (out f32, log-sum-exp f32)."""
+  b, kh, g, tq, h = q_BxKxGxTxH.shape
+  scale = 1 / math.sqrt(h)
+  carry = (jnp.full((b, kh, g, tq), MASK_VALUE, jnp.float32),  # running max
+           jnp.zeros((b, kh, g, tq), jnp.float32),  # running sum of exp(score - max)
+           jnp.zeros((b, kh, g, tq, h), jnp.float32))  # running sum of exp(score - max) * v
+
+  for src in sources:
+    def step(carry, j, src=src):
+      k_blk, v_blk, valid_blk = _key_block(src, j, block_k)
+      k_start = j * block_k
+
+      def update(carry):
+        m, l, acc = carry
+        visible = _visible(valid_blk, src.causal, q_start, k_start, tq, block_k)
+        s = _scores(q_BxKxGxTxH, k_blk, visible, scale)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(axis=-1)
+        pv = jnp.einsum("bkgts,bksh->bkgth", p.astype(dtype), v_blk.astype(dtype),
+                        preferred_element_type=jnp.float32)
+        return m_new, l, acc * correction[..., None] + pv
+
+      needed = _block_needed(src, valid_blk, q_start, k_start, tq)
+      return jax.lax.cond(needed, update, lambda c: c, carry), None
+
+    carry, _ = jax.lax.scan(step, carry, jnp.arange(src.k_BxKxSxH.shape[2] // block_k))
+  m, l, acc = carry
+  return acc / l[..., None], m + jnp.log(l)
+
+
+def _blockwise_forward(q_BxTxKxGxH, sources, block_q: int, block_k: int, dtype):
+  """-> (out [B,T,K,G,H] in `dtype`, log-sum-exp [B,K,G,T] f32); pads T and S to whole blocks."""
+  t = q_BxTxKxGxH.shape[1]
+  q_BxKxGxTxH = _pad_to(q_BxTxKxGxH, 1, block_q).transpose(0, 2, 3, 1, 4)
+  sources = [_padded_source(src, block_k) for src in sources]
+
+  def query_block(_, i):
+    q_blk = jax.lax.dynamic_slice_in_dim(q_BxKxGxTxH, i * block_q, block_q, 3)
+    out, lse = _forward_query_block(q_blk, sources, i * block_q, block_k, dtype)
+    return None, (out.astype(dtype), lse)
+
+  _, (out_QxBxKxGxTxH, lse_QxBxKxGxT) = jax.lax.scan(
+      query_block, None, jnp.arange(q_BxKxGxTxH.shape[3] // block_q))
+  nq, b, kh, g, tq, h = out_QxBxKxGxTxH.shape
+  out_BxTxKxGxH = out_QxBxKxGxTxH.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * tq, kh, g, h)[:, :t]
+  lse_BxKxGxT = lse_QxBxKxGxT.transpose(1, 2, 3, 0, 4).reshape(b, kh, g, nq * tq)[..., :t]
+  return out_BxTxKxGxH, lse_BxKxGxT
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _causal_blockwise(q_BxTxKxGxH, k_BxKxSxH, v_BxKxSxH, valid_BxS, block_q, block_k, dtype):
+  """Self-attention of a sequence (one causal source), differentiable in O(T) memory."""
+  return _blockwise_forward(q_BxTxKxGxH, [KeySource(k_BxKxSxH, v_BxKxSxH, valid_BxS, True)],
+                            block_q, block_k, dtype)[0]
+
+
+def _causal_blockwise_fwd(q, k, v, valid, block_q, block_k, dtype):
+  out, lse = _blockwise_forward(q, [KeySource(k, v, valid, True)], block_q, block_k, dtype)
+  return out, (q, k, v, valid, out, lse)
+
+
+def _causal_blockwise_bwd(block_q, block_k, dtype, residuals, dout_BxTxKxGxH):
+  """Flash-attention backward: per block pair, probabilities from the saved log-sum-exp."""
+  q, k, v, valid, out, lse = residuals
+  t, h = q.shape[1], q.shape[-1]
+  scale = 1 / math.sqrt(h)
+  # D_t = sum_h dO * O, the softmax Jacobian's correction term.
+  delta_BxKxGxT = jnp.einsum("btkgh,btkgh->bkgt", dout_BxTxKxGxH.astype(jnp.float32),
+                             out.astype(jnp.float32))
+  pad_q = lambda x, axis: _pad_to(x, axis, block_q)
+  q_BxKxGxTxH = pad_q(q, 1).transpose(0, 2, 3, 1, 4)
+  do_BxKxGxTxH = pad_q(dout_BxTxKxGxH, 1).transpose(0, 2, 3, 1, 4)
+  lse_BxKxGxT, delta_BxKxGxT = pad_q(lse, 3), pad_q(delta_BxKxGxT, 3)
+  src = _padded_source(KeySource(k, v, valid, True), block_k)
+  s_pad = src.k_BxKxSxH.shape[2]
+
+  def query_block(carry, i):
+    q_start = i * block_q
+    sl = lambda x: jax.lax.dynamic_slice_in_dim(x, q_start, block_q, 3)
+    q_blk, do_blk, lse_blk, delta_blk = sl(q_BxKxGxTxH), sl(do_BxKxGxTxH), sl(lse_BxKxGxT), sl(
+        delta_BxKxGxT)
+
+    def key_block(carry, j):
+      k_start = j * block_k
+      k_blk, v_blk, valid_blk = _key_block(src, j, block_k)
+
+      def update(carry):
+        dq, dk, dv = carry
+        visible = _visible(valid_blk, True, q_start, k_start, block_q, block_k)
+        p = jnp.exp(_scores(q_blk, k_blk, visible, scale) - lse_blk[..., None])
+        dv_blk = jnp.einsum("bkgts,bkgth->bksh", p.astype(dtype), do_blk.astype(dtype),
+                            preferred_element_type=jnp.float32)
+        dp = jnp.einsum("bkgth,bksh->bkgts", do_blk.astype(dtype), v_blk.astype(dtype),
+                        preferred_element_type=jnp.float32)
+        ds = (p * (dp - delta_blk[..., None]) * scale).astype(dtype)
+        dq = dq + jnp.einsum("bkgts,bksh->bkgth", ds, k_blk.astype(dtype),
+                             preferred_element_type=jnp.float32)
+        dk_blk = jnp.einsum("bkgts,bkgth->bksh", ds, q_blk.astype(dtype),
+                            preferred_element_type=jnp.float32)
+        add = lambda acc, blk: jax.lax.dynamic_update_slice_in_dim(
+            acc, jax.lax.dynamic_slice_in_dim(acc, k_start, block_k, 2) + blk, k_start, 2)
+        return dq, add(dk, dk_blk), add(dv, dv_blk)
+
+      needed = _block_needed(src, valid_blk, q_start, k_start, block_q)
+      return jax.lax.cond(needed, update, lambda c: c, carry), None
+
+    dq0 = jnp.zeros(q_blk.shape, jnp.float32)
+    (dq, dk, dv), _ = jax.lax.scan(key_block, (dq0,) + carry, jnp.arange(s_pad // block_k))
+    return (dk, dv), dq
+
+  zeros_kv = jnp.zeros(src.k_BxKxSxH.shape, jnp.float32)
+  (dk, dv), dq_QxBxKxGxTxH = jax.lax.scan(query_block, (zeros_kv, zeros_kv),
+                                          jnp.arange(q_BxKxGxTxH.shape[3] // block_q))
+  nq, b, kh, g, tq, _ = dq_QxBxKxGxTxH.shape
+  dq = dq_QxBxKxGxTxH.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * tq, kh, g, h)[:, :t]
+  s = k.shape[2]
+  return (dq.astype(q.dtype), dk[:, :, :s].astype(k.dtype), dv[:, :, :s].astype(v.dtype), None)
+
+
+_causal_blockwise.defvjp(_causal_blockwise_fwd, _causal_blockwise_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def attend(q_BxTxKxGxH, sources, *, impl: str, block_q: int, block_k: int, dtype):
+  """Attention of T queries over the key sources -> [B,T,K,G,H] in `dtype`.
+
+  `impl` "blockwise" falls back to the dense path, statically, when the queries and every source
+  fit in one block (short sequences, decode steps). "xla" / "cudnn" call
+  `jax.nn.dot_product_attention` for the uncached causal case (one causal source, T == S) and use
+  the blockwise kernel otherwise.
+  """
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"attention_impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+  t = q_BxTxKxGxH.shape[1]
+  self_attention = (len(sources) == 1 and sources[0].causal
+                    and sources[0].k_BxKxSxH.shape[2] == t)
+  if impl in ("xla", "cudnn") and self_attention:
+    return _fused(q_BxTxKxGxH, sources[0], impl, dtype)
+  small = t <= block_q and all(src.k_BxKxSxH.shape[2] <= block_k for src in sources)
+  if impl == "dense" or small:
+    return dense_attention(q_BxTxKxGxH, sources, dtype)
+  if self_attention:
+    src = sources[0]
+    return _causal_blockwise(q_BxTxKxGxH, src.k_BxKxSxH, src.v_BxKxSxH, src.valid_BxS, block_q,
+                             block_k, jnp.dtype(dtype))
+  return _blockwise_forward(q_BxTxKxGxH, sources, block_q, block_k, dtype)[0]
+
+
+def _fused(q_BxTxKxGxH, src: KeySource, impl: str, dtype):
+  """`jax.nn.dot_product_attention` (causal, pad keys masked); pad query rows are zeroed."""
+  b, t, kh, g, h = q_BxTxKxGxH.shape
+  to_bskh = lambda x: x.transpose(0, 2, 1, 3).astype(dtype)
+  out = jax.nn.dot_product_attention(
+      q_BxTxKxGxH.reshape(b, t, kh * g, h).astype(dtype), to_bskh(src.k_BxKxSxH),
+      to_bskh(src.v_BxKxSxH), mask=src.valid_BxS[:, None, None, :], is_causal=True,
+      implementation=impl)
+  # A query whose every key is masked has no defined output (a fused kernel may give NaN).
+  out = jnp.where(src.valid_BxS[:, :, None, None], out, 0)
+  return out.reshape(b, t, kh, g, h)
