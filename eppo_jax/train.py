@@ -298,6 +298,7 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
 def _train(config: ml_collections.ConfigDict, workdir: Path,
            signals: interrupt.StopRequest) -> dict:
   main = jax.process_index() == 0
+  mesh = meshlib.make_mesh(config.mesh)
   r, t = config.rollout, config.train
   specs = list(config.tasks.specs)
   model_cfg, params, tokenizer = load_model(config, workdir)
