@@ -67,7 +67,6 @@ def main():
   print(f"\nsteady state: {n / total:.1f} episodes/s, {tokens / total:.0f} tokens/s; "
         f"generation {100 * (total - env_s) / total:.1f}% / environments "
         f"{100 * env_s / total:.1f}% of collection time")
-  registry.list_tasks()
 
 
 if __name__ == "__main__":

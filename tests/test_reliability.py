@@ -3,8 +3,6 @@
 import json
 import logging
 import multiprocessing
-import os
-import shutil
 import signal
 import subprocess
 import sys
