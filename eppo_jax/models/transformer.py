@@ -187,13 +187,24 @@ class DecoderLayer(nn.Module):
     return x_BxTxD, new_cache
 
 
+HEADS = ("logits", "last", "hidden")
+
+
 class Transformer(nn.Module):
-  """Token ids in, float32 logits out; layers are scanned so compile time does not grow with L."""
+  """Token ids in, float32 logits out; layers are scanned so compile time does not grow with L.
+
+  `head` picks the output: "logits" at every position [B,T,V], "last" for the last position only
+  [B,1,V] (a left-padded prefill needs no more), or "hidden", the final-norm hidden states [B,T,D]
+  for a caller that applies the LM head itself (in chunks, see `eppo_jax.logprobs`).
+  """
 
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, kv_cache=None, index=None):
+  def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, kv_cache=None, index=None,
+               head: str = "logits"):
+    if head not in HEADS:
+      raise ValueError(f"head must be one of {HEADS}, got {head!r}")
     cfg = self.config
     embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=cfg.weight_dtype,
                      embedding_init=nn.initializers.normal(0.02), name="embed_tokens")
@@ -209,12 +220,28 @@ class Transformer(nn.Module):
     x_BxTxD, new_cache = layers(cfg, name="layers")(x_BxTxD, sin, cos, mask_BxTxS, kv_cache, index)
 
     x_BxTxD = RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.weight_dtype, name="norm")(x_BxTxD)
+    if head == "hidden" and not self.is_initializing():
+      return x_BxTxD, new_cache
+    if head == "last":
+      x_BxTxD = x_BxTxD[:, -1:]
     if cfg.tie_word_embeddings:
-      logits = x_BxTxD @ embed.embedding.astype(cfg.compute_dtype).T
+      logits = lm_head(x_BxTxD, embed.embedding.T, cfg)
     else:
       logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype,
                         param_dtype=cfg.weight_dtype, name="lm_head")(x_BxTxD)
     return logits.astype(jnp.float32), new_cache
+
+
+def lm_head(x_BxTxD, kernel_DxV, config: ModelConfig) -> jax.Array:
+  """float32 logits of hidden states through the head matrix, in the model's compute dtype."""
+  dtype = config.compute_dtype
+  return (x_BxTxD.astype(dtype) @ kernel_DxV.astype(dtype)).astype(jnp.float32)
+
+
+def head_kernel(params: Params, config: ModelConfig) -> jax.Array:
+  """The LM head matrix [D,V]: the embedding's transpose when tied (LoRA never adapts the head)."""
+  p = params["params"]
+  return p["embed_tokens"]["embedding"].T if config.tie_word_embeddings else p["lm_head"]["kernel"]
 
 
 def init_params(config: ModelConfig, rng: jax.Array) -> Params:
@@ -232,14 +259,21 @@ def positions_from_mask(mask_BxT, start_B=None):
   return jnp.maximum(pos, 0)
 
 
-def logits(params: Params, config: ModelConfig, tokens_BxT, attention_mask_BxT) -> jax.Array:
+def logits(params: Params, config: ModelConfig, tokens_BxT, attention_mask_BxT,
+           head: str = "logits") -> jax.Array:
   """Full causal forward without cache -> float32 logits [B,T,V]; works on left or right padding."""
   valid_BxT = attention_mask_BxT.astype(bool)
   t = tokens_BxT.shape[1]
   causal_TxT = jnp.tril(jnp.ones((t, t), bool))
   mask_BxTxT = causal_TxT[None] & valid_BxT[:, None, :]
-  out, _ = Transformer(config).apply(params, tokens_BxT, positions_from_mask(valid_BxT), mask_BxTxT)
+  out, _ = Transformer(config).apply(params, tokens_BxT, positions_from_mask(valid_BxT), mask_BxTxT,
+                                     head=head)
   return out
+
+
+def hidden_states(params: Params, config: ModelConfig, tokens_BxT, attention_mask_BxT) -> jax.Array:
+  """Like `logits` but stops before the LM head: final-norm hidden states [B,T,D] (compute dtype)."""
+  return logits(params, config, tokens_BxT, attention_mask_BxT, head="hidden")
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
@@ -256,8 +290,10 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> Cac
 
 
 def forward_with_cache(params: Params, config: ModelConfig, tokens_BxT, token_mask_BxT,
-                       cache: Cache) -> tuple[jax.Array, Cache]:
+                       cache: Cache, head: str = "logits") -> tuple[jax.Array, Cache]:
   """Writes `T` new tokens at `cache["index"]` and returns their float32 logits [B,T,V].
+
+  `head="last"` returns the last column's logits only ([B,1,V]), see `Transformer`.
 
   Rows may be left-padded inside the chunk (`token_mask_BxT` False on pads); pads are never attended.
   The caller guarantees `index + T <= S` (checked statically where shapes allow).
@@ -273,7 +309,7 @@ def forward_with_cache(params: Params, config: ModelConfig, tokens_BxT, token_ma
   causal_TxS = jnp.arange(s)[None, :] <= query_slot_T[:, None]
   mask_BxTxS = causal_TxS[None] & slot_mask_BxS[:, None, :]
   out, (k_LxBxKxTxH, v_LxBxKxTxH) = Transformer(config).apply(
-      params, tokens_BxT, positions_BxT, mask_BxTxS, (cache["k"], cache["v"]), index)
+      params, tokens_BxT, positions_BxT, mask_BxTxS, (cache["k"], cache["v"]), index, head=head)
   start = (0, 0, 0, index, 0)
   new_cache = {
       "k": jax.lax.dynamic_update_slice(cache["k"], k_LxBxKxTxH, start),
