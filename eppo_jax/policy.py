@@ -15,7 +15,7 @@ from eppo_jax.sampling import SamplingConfig, rollout
 
 def _turn(params, tokens, mask, rng, cache, *, config, sampling):
   out = rollout(params, config, tokens, mask, rng, sampling, cache=cache)
-  return out.tokens, out.mask, out.cache
+  return out.tokens, out.mask, out.cache, (out.logprobs, out.entropies)
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,7 +65,7 @@ class ModelPolicy:
     empty, turn = _compiled(self._config, self._sampling, padded // self._devices,
                             self._max_slots)
     cache = empty(np.zeros(self._devices)) if state is None else state
-    reply, reply_mask, cache = turn(self._params, tokens, mask, self._keys(), cache)
+    reply, reply_mask, cache, scores = turn(self._params, tokens, mask, self._keys(), cache)
     self._turn += 1
-    reply, reply_mask = parallel.unshard((reply, reply_mask))
-    return reply[:b], reply_mask[:b], cache
+    reply, reply_mask, scores = parallel.unshard((reply, reply_mask, scores))
+    return reply[:b], reply_mask[:b], cache, tuple(x[:b] for x in scores)

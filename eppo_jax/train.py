@@ -35,6 +35,7 @@ _DEMO_SEED = 1_000_000  # First seed of the SFT demonstrations.
 # resumed run draws the same numbers as an uninterrupted one.
 _KEY_PURPOSES = ("rollout", "train", "eval", "lora")
 _BATCH_KEYS = ("tokens", "attention_mask", "loss_mask", "task_ids", "group_ids", "rewards")
+_SAMPLER_KEYS = ("logprobs", "entropies")  # Read by train_step with optim.old_logprobs="sampler".
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
                      "KL reference is the base model with the adapters switched off")
   if r.max_new_tokens + 32 > r.max_episode_tokens:
     raise ValueError("config.rollout.max_episode_tokens leaves no room for a prompt")
+  if config.optim.old_logprobs not in steps.OLD_LOGPROBS:
+    raise ValueError(f"config.optim.old_logprobs={config.optim.old_logprobs!r}; valid: "
+                     f"{steps.OLD_LOGPROBS}")
   if config.train.num_steps < 0 or config.optim.ppo_epochs < 1:
     raise ValueError("config.train.num_steps must be >= 0 and config.optim.ppo_epochs >= 1")
 
@@ -192,12 +196,12 @@ def episode_metrics(episodes: agent.EpisodeBatch, num_tasks: int, prefix: str = 
   return scalars, per_task
 
 
-def batch_arrays(episodes: agent.EpisodeBatch, group_offset: int) -> dict:
+def batch_arrays(episodes: agent.EpisodeBatch, group_offset: int, sampler: bool = False) -> dict:
   """The train_step inputs, padded to a sequence length that every host agrees on."""
-  arrays = {k: getattr(episodes, k) for k in _BATCH_KEYS}
+  arrays = {k: getattr(episodes, k) for k in _BATCH_KEYS + (_SAMPLER_KEYS if sampler else ())}
   arrays["group_ids"] = arrays["group_ids"] + group_offset  # Globally unique over hosts.
   width = parallel.global_max(arrays["tokens"].shape[1])
-  for key in ("tokens", "attention_mask", "loss_mask"):
+  for key in ("tokens", "attention_mask", "loss_mask") + (_SAMPLER_KEYS if sampler else ()):
     x = arrays[key]
     arrays[key] = np.pad(x, ((0, 0), (0, width - x.shape[1])))
   return arrays
@@ -287,7 +291,10 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
   step_cfg = steps.StepConfig(model=model_cfg, pacing=pacing_cfg, loss=loss_cfg,
                               num_tasks=len(specs), num_groups=r.instances_per_step,
                               temperature=r.temperature, ppo_epochs=config.optim.ppo_epochs,
-                              num_minibatches=config.optim.num_minibatches)
+                              num_minibatches=config.optim.num_minibatches,
+                              # A reply has at most max_new_tokens loss tokens per turn.
+                              loss_tokens_per_row=agent.bucket(r.max_turns * r.max_new_tokens, 32),
+                              old_logprobs=config.optim.old_logprobs)
   o = config.optim
   tx = make_optimizer(o.learning_rate, o.warmup_steps, o.weight_decay, o.grad_clip)
   state = steps.TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable,
@@ -336,7 +343,9 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
     policy = run.policy(state.trainable, jax.random.fold_in(rollout_key, step), greedy=False)
     episodes = run.play(policy, instances, r.group_size)
     env_s, play_s = run.stepper.seconds, time.time() - start
-    batch = parallel.shard(batch_arrays(episodes, jax.process_index() * host_instances))
+    steps.check_loss_budget(episodes.loss_mask, step_cfg.loss_tokens_per_row)
+    batch = parallel.shard(batch_arrays(episodes, jax.process_index() * host_instances,
+                                        sampler=step_cfg.old_logprobs == "sampler"))
     step_keys = parallel.replicate(jax.random.fold_in(train_key, step))
     state, metrics = p_train(state, run.frozen, batch, step_keys)
     metrics = jax.device_get(parallel.unreplicate(metrics))
