@@ -86,15 +86,17 @@ def check_loss_budget(loss_mask_BxT, budget: Optional[int]) -> None:
 
 def scored_logprobs(params, model: ModelConfig, tokens_BxT, attention_mask_BxT, idx_BxR,
                     temperature: float):
-  """Teacher-forced log-prob and entropy at positions `idx` (position t scores token t + 1).
+  """Teacher-forced log-prob and entropy at positions `idx` (None: all; t scores token t + 1).
 
   ([B,R], [B,R]) float32 of softmax(logits / temperature), the distribution the sampler draws from
   and reports. The LM head runs only at the gathered positions, in chunks (eppo_jax.logprobs).
   """
   hidden_BxTxD = transformer.hidden_states(params, model, tokens_BxT[:, :-1],
                                            attention_mask_BxT[:, :-1])
-  hidden_BxRxD = jnp.take_along_axis(hidden_BxTxD, idx_BxR[..., None], axis=1)
-  target_BxR = jnp.take_along_axis(tokens_BxT[:, 1:], idx_BxR, axis=1)
+  hidden_BxRxD, target_BxR = hidden_BxTxD, tokens_BxT[:, 1:]
+  if idx_BxR is not None:
+    hidden_BxRxD = jnp.take_along_axis(hidden_BxRxD, idx_BxR[..., None], axis=1)
+    target_BxR = jnp.take_along_axis(target_BxR, idx_BxR, axis=1)
   return logprobs.head_logprobs_and_entropy(hidden_BxRxD, transformer.head_kernel(params, model),
                                             target_BxR, temperature, model)
 
@@ -102,9 +104,7 @@ def scored_logprobs(params, model: ModelConfig, tokens_BxT, attention_mask_BxT, 
 def sequence_logprobs(params, model: ModelConfig, tokens_BxT, attention_mask_BxT,
                       temperature: float):
   """Teacher-forced log-prob and entropy of each next token: ([B,T-1], [B,T-1]) float32."""
-  b, t = tokens_BxT.shape
-  idx_BxT = jnp.broadcast_to(jnp.arange(t - 1, dtype=jnp.int32), (b, t - 1))
-  return scored_logprobs(params, model, tokens_BxT, attention_mask_BxT, idx_BxT, temperature)
+  return scored_logprobs(params, model, tokens_BxT, attention_mask_BxT, None, temperature)
 
 
 def _minibatches(batch: dict, order_M: Optional[jax.Array], num: int) -> dict:
@@ -198,6 +198,8 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
   keys0 = jax.random.split(jax.random.split(rng_epochs[0])[1], m)
   first = None
   if cfg.old_logprobs == "sampler":
+    if "logprobs" not in batch or "entropies" not in batch:
+      raise ValueError('old_logprobs="sampler" needs batch["logprobs"] and batch["entropies"]')
     # The rollout's own numbers (aligned with tokens: token t + 1 is scored at position t).
     old_logp_BxR, entropy_BxR = (
         jnp.take_along_axis(batch[k][:, 1:].astype(jnp.float32), idx_BxR, axis=1)
