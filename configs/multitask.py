@@ -100,6 +100,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.optim.grad_clip = 1.0
   c.optim.ppo_epochs = 1
   c.optim.num_minibatches = 4  # Per RL step and device; each is one optimizer update.
+  # Where the old-policy log-probs (ratio denominator) and pacing entropies come from: "recompute"
+  # (teacher-forced with the pre-update params; exact) or "sampler" (the rollout's own per-token
+  # numbers: no old-policy pass, but in bf16 the ratio starts off 1). See docs/eppo.md.
+  c.optim.old_logprobs = "recompute"
 
   # Overrides of the method's PacingConfig / LossConfig fields (see docs/eppo.md), e.g.
   # `--config.pacing.alpha=0.5`. Empty means the method's defaults.

@@ -8,10 +8,13 @@ saw is recorded token for token, and only the tokens it generated carry loss.
 A `Policy` is any callable that continues a batch of conversations by one assistant turn:
 
     policy(chunk_BxC, chunk_mask_BxC, state, active_B) -> (reply_BxN, reply_mask_BxN, state)
+                                                        or (reply_BxN, reply_mask_BxN, state, scores)
 
 `chunk` holds the new tokens of each conversation (left-padded, mask False on pads and on
 inactive rows), `reply_mask` marks the generated tokens up to and including the stop token, and
 `state` is whatever the policy carries between turns (the KV cache); it is None on the first turn.
+A sampling policy also returns `scores = (logprobs_BxN, entropies_BxN)`, its own numbers for each
+reply token, which the episode records (the trainer's `old_logprobs="sampler"` option reads them).
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class EpisodeBatch:
   tokens: np.ndarray  # [B,T] int32
   attention_mask: np.ndarray  # [B,T] bool
   loss_mask: np.ndarray  # [B,T] bool: the assistant's generated tokens only
+  logprobs: np.ndarray  # [B,T] float32: the sampler's log pi(token) on loss tokens, else 0
+  entropies: np.ndarray  # [B,T] float32: the sampler's entropy at each loss token, else 0
   task_ids: np.ndarray  # [B] int32
   group_ids: np.ndarray  # [B] int32: episodes of one instance share a group id
   rewards: np.ndarray  # [B] float32: episode return
@@ -218,6 +223,7 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
   pool = stepper.pool([inst.spec for _, inst in episodes], make_env)
   conv = [[] for _ in range(n)]  # Token ids of each conversation, in order.
   conv_mask = [[] for _ in range(n)]  # True on generated tokens.
+  conv_scores = [[] for _ in range(n)]  # (logprob, entropy) of each token (0, 0 off the replies).
   pending = []  # Tokens each conversation still has to show the policy.
   rewards, turns, invalid = np.zeros(n, np.float32), np.zeros(n, np.int32), np.zeros(n, np.int32)
   success, failed, truncated = np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool)
@@ -241,8 +247,10 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
       break
     chunk, chunk_mask = left_pad([p if a else [] for p, a in zip(pending, active)], [width],
                                  pad_id)
-    reply, reply_mask, state = policy(chunk, chunk_mask, state, active.copy())
+    reply, reply_mask, state, *scores = policy(chunk, chunk_mask, state, active.copy())
     reply, reply_mask = np.asarray(reply), np.asarray(reply_mask, bool)
+    scores = (np.zeros((2,) + reply.shape, np.float32) if not scores or scores[0] is None
+              else np.stack([np.asarray(x, np.float32) for x in scores[0]]))
     slots += width + reply.shape[1]
     stepping = np.flatnonzero(active)
     actions = []
@@ -250,6 +258,7 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
       generated = reply[b][reply_mask[b]].tolist()
       conv[b] += pending[b] + generated
       conv_mask[b] += [False] * len(pending[b]) + [True] * len(generated)
+      conv_scores[b] += [(0.0, 0.0)] * len(pending[b]) + list(zip(*scores[:, b][:, reply_mask[b]]))
       actions.append(parse_action(chat.tokenizer.decode(generated, skip_special_tokens=True)))
       turns[b] += 1
     results = stepper.call(pool.step, actions, stepping)
@@ -272,12 +281,16 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
   width = bucket(max(1, max(len(c) for c in conv)), length_multiple)
   tokens = np.full((n, width), pad_id, np.int32)
   attention, loss = np.zeros((n, width), bool), np.zeros((n, width), bool)
+  sampled = np.zeros((2, n, width), np.float32)
   for b in range(n):
     tokens[b, :len(conv[b])] = conv[b]
     attention[b, :len(conv[b])] = True
     loss[b, :len(conv[b])] = conv_mask[b]
+    if conv[b]:
+      sampled[:, b, :len(conv[b])] = np.asarray(conv_scores[b], np.float32).T
   return EpisodeBatch(
-      tokens=tokens, attention_mask=attention, loss_mask=loss,
+      tokens=tokens, attention_mask=attention, loss_mask=loss, logprobs=sampled[0],
+      entropies=sampled[1],
       task_ids=np.array([inst.task_id for _, inst in episodes], np.int32),
       group_ids=np.array([g for g, _ in episodes], np.int32),
       rewards=rewards, success=success, turns=turns, invalid_actions=invalid, failed=failed,

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax
 import ml_collections
 
-from eppo_jax import agent, mesh, objective
+from eppo_jax import agent, mesh, objective, steps
 from eppo_jax.envs import registry
 
 ENV_BACKENDS = ("auto",) + agent.ENV_BACKENDS
@@ -78,6 +78,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
 CHOICES: dict[str, tuple] = {
     "method": objective.METHODS,
     "advantage_estimator": tuple(objective.ADVANTAGE_ESTIMATORS),
+    "optim.old_logprobs": steps.OLD_LOGPROBS,
     "model.dtype": DTYPES,
     "model.param_dtype": DTYPES,
     "tasks.system_prompt": agent.SYSTEM_PROMPTS,

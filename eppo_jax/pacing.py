@@ -21,17 +21,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from eppo_jax import logprobs
+
 PACING_SCHEMES = ("cross_task_mean", "initial", "target")
 
 
 def token_entropy(logits_BxTxV: jax.Array) -> jax.Array:
   """Entropy of softmax(logits) per position, in float32: [B, T]."""
-  # H = logsumexp(z) - sum(p * z) never takes log(p), so a probability that underflows to 0
-  # contributes p * z = 0 instead of 0 * -inf = NaN; bf16 logits are upcast first because
-  # the difference of two large numbers loses every digit in bf16.
-  z_BxTxV = logits_BxTxV.astype(jnp.float32)
-  p_BxTxV = jax.nn.softmax(z_BxTxV, axis=-1)
-  return jax.nn.logsumexp(z_BxTxV, axis=-1) - jnp.sum(p_BxTxV * z_BxTxV, axis=-1)
+  # The one formula of eppo_jax.logprobs (stable, float32); the token only feeds the unused log-prob.
+  tokens_BxT = jnp.zeros(logits_BxTxV.shape[:-1], jnp.int32)
+  return logprobs.token_logprobs_and_entropy(logits_BxTxV, tokens_BxT)[1]
 
 
 def task_entropy(token_entropy_BxT: jax.Array,

@@ -17,7 +17,7 @@ from eppo_jax.sampling import SamplingConfig, prefix_bucket, rollout
 
 def _turn(params, tokens, mask, rng, cache, *, config, sampling, prefix):
   out = rollout(params, config, tokens, mask, rng, sampling, cache=cache, prefix=prefix)
-  return out.tokens, out.mask, out.cache
+  return out.tokens, out.mask, out.cache, (out.logprobs, out.entropies)
 
 
 def _take_rows(cache, rows_R):
@@ -42,7 +42,7 @@ def compiled_turn(config: ModelConfig, sampling: SamplingConfig, mesh: jax.shard
   empty = jax.jit(lambda: init_cache(config, batch, max_len), out_shardings=cache_sh)
   turn = jax.jit(functools.partial(_turn, config=config, sampling=sampling, prefix=prefix),
                  in_shardings=(None, rows, rows, meshlib.replicated(mesh), cache_sh),
-                 out_shardings=(rows, rows, cache_sh), donate_argnums=(4,))
+                 out_shardings=(rows, rows, cache_sh, (rows, rows)), donate_argnums=(4,))
   return empty, turn
 
 
@@ -123,12 +123,14 @@ class ModelPolicy:
     tokens, mask = meshlib.put_rows((tokens_RxC, mask_RxC), self._mesh)
     with jax.set_mesh(self._mesh):  # Traced with the mesh in context: see `mesh.constrain_rows`.
       cache = empty() if cache is None else cache
-      reply, reply_mask, cache = turn(self._params, tokens, mask, key, cache)
+      reply, reply_mask, cache, scores = turn(self._params, tokens, mask, key, cache)
     self._turn += 1
     self._used += width + n
-    reply_RxN, reply_mask_RxN = meshlib.local_rows((reply, reply_mask), self._mesh)
-    reply_BxN = np.full((b, n), self._sampling.pad_id, reply_RxN.dtype)
-    reply_mask_BxN = np.zeros((b, n), bool)
-    reply_BxN[rows_R[present_R]] = reply_RxN[present_R]
-    reply_mask_BxN[rows_R[present_R]] = reply_mask_RxN[present_R]
-    return reply_BxN, reply_mask_BxN, cache
+    # Back to this host's episode order; rows of no episode are dropped.
+    local = meshlib.local_rows((reply, reply_mask) + tuple(scores), self._mesh)
+    fills = (self._sampling.pad_id, False, 0.0, 0.0)
+    reply_BxN, reply_mask_BxN, logprobs_BxN, entropies_BxN = (
+        np.full((b, n), fill, x.dtype) for fill, x in zip(fills, local))
+    for out, x in zip((reply_BxN, reply_mask_BxN, logprobs_BxN, entropies_BxN), local):
+      out[rows_R[present_R]] = x[present_R]
+    return reply_BxN, reply_mask_BxN, cache, (logprobs_BxN, entropies_BxN)

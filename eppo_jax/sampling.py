@@ -5,9 +5,9 @@ Shape letters: B batch, P prompt (chunk) length, N new tokens, T tokens, S cache
 Logprob convention. The returned `logprobs` and `entropies` are those of the temperature-scaled,
 untruncated policy `softmax(logits / temperature)`, i.e. *before* top-k / top-p truncation (the
 GRPO / verl convention). Truncation only decides which token is drawn; the numbers describe the
-policy that the loss recomputes teacher-forced with
-`token_logprobs_and_entropy(eppo_jax.logits(...), tokens, temperature)`, so old and new log-probs
-are the same function of the parameters. Greedy decoding reports the same quantities (with the
+policy that the loss recomputes teacher-forced with the same function
+(`eppo_jax.logprobs.token_logprobs_and_entropy`, applied in chunks by the trainer), so old, new and
+sampled log-probs are the same function of the parameters. Greedy decoding reports the same quantities (with the
 configured temperature, default 1) for the argmax token.
 
 Multi-turn. `rollout(..., cache=out.cache)` appends its chunk (observation + next turn header,
@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eppo_jax import logprobs
 from eppo_jax.models.config import ModelConfig
 from eppo_jax.models.transformer import (Cache, forward_with_cache, init_cache, unstack_layers,
                                          write_chunk)
@@ -83,18 +84,10 @@ class RolloutOutput:
 
 
 # ----------------------------------------------------------------------------------------------
-# Distribution helpers (shared with the trainer, so sampled and recomputed numbers agree).
+# Distribution helpers: the one formula of eppo_jax.logprobs, shared with the trainer, so sampled
+# and recomputed numbers agree.
 
-
-def token_logprobs_and_entropy(logits_BxTxV, tokens_BxT, temperature: float = 1.0):
-  """(log pi(token) [B,T], entropy [B,T]) of softmax(logits / temperature), in float32."""
-  z_BxTxV = logits_BxTxV.astype(jnp.float32) / temperature
-  lse_BxT = jax.nn.logsumexp(z_BxTxV, axis=-1)
-  z_tok_BxT = jnp.take_along_axis(z_BxTxV, tokens_BxT[..., None].astype(jnp.int32), axis=-1)[..., 0]
-  # logsumexp(z) - sum(softmax(z) z) is exact and never forms log(0) * 0.
-  probs_BxTxV = jnp.exp(z_BxTxV - lse_BxT[..., None])
-  entropy_BxT = lse_BxT - jnp.sum(probs_BxTxV * z_BxTxV, axis=-1)
-  return z_tok_BxT - lse_BxT, entropy_BxT
+token_logprobs_and_entropy = logprobs.token_logprobs_and_entropy
 
 
 def truncate_logits(z_BxV, top_k: int = 0, top_p: float = 1.0):
@@ -122,7 +115,8 @@ def sample_token(logits_BxV, rng, sampling: SamplingConfig):
     truncated_BxV = truncate_logits(z_BxV, sampling.top_k, sampling.top_p)
     token_B = jax.random.categorical(rng, truncated_BxV, axis=-1)
   token_B = token_B.astype(jnp.int32)
-  logprob_Bx1, entropy_Bx1 = token_logprobs_and_entropy(z_BxV[:, None], token_B[:, None], 1.0)
+  logprob_Bx1, entropy_Bx1 = token_logprobs_and_entropy(logits_BxV[:, None], token_B[:, None],
+                                                        sampling.temperature)
   return token_B, logprob_Bx1[:, 0], entropy_Bx1[:, 0]
 
 
@@ -242,7 +236,8 @@ def _rollout(params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP, rn
   fits = cache["index"] + prompt_tokens_BxP.shape[1] + n <= prefix
   forward = functools.partial(forward_with_cache, params, config, prefix=prefix)
 
-  prompt_logits_BxPxV, cache = forward(prompt_tokens_BxP, prompt_mask_BxP, cache)
+  # Left padding puts every row's last valid token in the last column: only its logits are needed.
+  last_logits_Bx1xV, cache = forward(prompt_tokens_BxP, prompt_mask_BxP, cache, head="last")
   unroll = config.unroll_decode
   unroll = unroll if unroll is not None else jax.default_backend() == "cpu"
   if unroll:
@@ -259,8 +254,7 @@ def _rollout(params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP, rn
       return forward(token_B[:, None], live_B[:, None], write_chunk(cache, pending),
                      defer_write=True)
     return (*forward(token_B[:, None], live_B[:, None], cache), pending)
-  # Left padding puts every row's last valid token in the last column.
-  logits_BxV = jnp.where(fits, prompt_logits_BxPxV[:, -1], jnp.nan)
+  logits_BxV = jnp.where(fits, last_logits_Bx1xV[:, 0], jnp.nan)
   # A row with nothing in its chunk has no next-token distribution: it is finished (e.g. an episode
   # that ended in an earlier turn, or a filler row), and generates nothing.
   done_B = ~prompt_mask_BxP.any(axis=1)

@@ -15,10 +15,11 @@ from typing import Any, Optional
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
-from eppo_jax import lora, objective, pacing
+from eppo_jax import logprobs, lora, objective, pacing
 from eppo_jax.models import transformer
 from eppo_jax.models.config import ModelConfig
 
@@ -29,6 +30,9 @@ class TrainState:
   trainable: Any  # params the optimizer owns (adapters, or the whole model)
   opt_state: Any
   pacing: pacing.PacingState
+
+
+OLD_LOGPROBS = ("recompute", "sampler")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,22 +54,62 @@ class StepConfig:
   # the batch (`mesh.minibatch_sharding`). Without it XLA keeps each minibatch on the few devices
   # that hold its rows; with it every device works on every minibatch. None under pmap.
   minibatch_sharding: Any = None
+  # R, the loss positions scored per row: the LM head, log-probs and the loss run on [b, R] gathered
+  # positions, not on all T - 1. None scores every position. A row with more loss tokens than R
+  # keeps its first R; the rest are counted in metrics["loss_tokens_over_budget"] (the trainer
+  # refuses such a batch before the step, see `check_loss_budget`).
+  loss_tokens_per_row: Optional[int] = None
+  # Old-policy log-probs (ratio denominator) and pacing entropies: "recompute" (teacher-forced with
+  # the pre-update params, exact) or "sampler" (the rollout's own per-token numbers, batch keys
+  # "logprobs" / "entropies" aligned with "tokens"; no old-policy pass). See docs/eppo.md.
+  old_logprobs: str = "recompute"
+
+  def __post_init__(self):
+    if self.old_logprobs not in OLD_LOGPROBS:
+      raise ValueError(f"old_logprobs must be one of {OLD_LOGPROBS}, got {self.old_logprobs!r}")
+    if self.loss_tokens_per_row is not None and self.loss_tokens_per_row < 1:
+      raise ValueError(f"loss_tokens_per_row must be >= 1 or None, got {self.loss_tokens_per_row}")
+
+
+def loss_positions(loss_mask_BxT, budget: int):
+  """Indices of each row's first `budget` loss positions: (idx [B,R] int32, mask [B,R] bool)."""
+  mask_BxT = loss_mask_BxT.astype(bool)
+  idx_BxR = jax.vmap(lambda m: jnp.nonzero(m, size=budget, fill_value=0)[0])(mask_BxT)
+  valid_BxR = jnp.arange(budget)[None] < mask_BxT.sum(axis=1, keepdims=True)
+  return idx_BxR.astype(jnp.int32), valid_BxR
+
+
+def check_loss_budget(loss_mask_BxT, budget: Optional[int]) -> None:
+  """Host check: refuses a batch with a row of more loss tokens than the per-row budget R."""
+  if budget is None:
+    return
+  most = int(np.asarray(loss_mask_BxT)[:, 1:].sum(axis=1).max(initial=0))
+  if most > budget:
+    raise ValueError(f"an episode has {most} loss tokens but StepConfig.loss_tokens_per_row is "
+                     f"{budget}; raise it (at least max_turns x max_new_tokens)")
+
+
+def scored_logprobs(params, model: ModelConfig, tokens_BxT, attention_mask_BxT, idx_BxR,
+                    temperature: float):
+  """Teacher-forced log-prob and entropy at positions `idx` (None: all; t scores token t + 1).
+
+  ([B,R], [B,R]) float32 of softmax(logits / temperature), the distribution the sampler draws from
+  and reports. The LM head runs only at the gathered positions, in chunks (eppo_jax.logprobs).
+  """
+  hidden_BxTxD = transformer.hidden_states(params, model, tokens_BxT[:, :-1],
+                                           attention_mask_BxT[:, :-1])
+  hidden_BxRxD, target_BxR = hidden_BxTxD, tokens_BxT[:, 1:]
+  if idx_BxR is not None:
+    hidden_BxRxD = jnp.take_along_axis(hidden_BxRxD, idx_BxR[..., None], axis=1)
+    target_BxR = jnp.take_along_axis(target_BxR, idx_BxR, axis=1)
+  return logprobs.head_logprobs_and_entropy(hidden_BxRxD, transformer.head_kernel(params, model),
+                                            target_BxR, temperature, model)
 
 
 def sequence_logprobs(params, model: ModelConfig, tokens_BxT, attention_mask_BxT,
                       temperature: float):
-  """Teacher-forced log-prob and entropy of each next token: ([B,T-1], [B,T-1]) float32.
-
-  Uses the temperature-scaled distribution softmax(logits / temperature), the same one the sampler
-  draws from and reports, so old, new and sampled log-probs are of one distribution.
-  """
-  logits_BxTxV = transformer.logits(params, model, tokens_BxT[:, :-1], attention_mask_BxT[:, :-1])
-  logits_BxTxV = logits_BxTxV / temperature
-  logz_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
-  target_BxT = tokens_BxT[:, 1:]
-  logp_BxT = jnp.take_along_axis(logits_BxTxV, target_BxT[..., None], axis=-1)[..., 0] - logz_BxT
-  entropy_BxT = pacing.token_entropy(logits_BxTxV)
-  return logp_BxT, entropy_BxT
+  """Teacher-forced log-prob and entropy of each next token: ([B,T-1], [B,T-1]) float32."""
+  return scored_logprobs(params, model, tokens_BxT, attention_mask_BxT, None, temperature)
 
 
 def _minibatches(batch: dict, order_M: Optional[jax.Array], num: int, sharding=None) -> dict:
@@ -82,38 +126,117 @@ def _finite(*trees) -> jax.Array:
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
+def _take(tree, i):
+  return jax.tree_util.tree_map(lambda x: x[i], tree)
+
+
 def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: StepConfig,
                tx: optax.GradientTransformation):
   """One RL update: old log-probs, pacing, advantages, then PPO epochs x minibatches.
 
   `batch` (this device's share): tokens / attention_mask / loss_mask [b,T], task_ids / group_ids
-  [b] int32, rewards [b] float32 (NaN or inf: the episode is left out). Returns (new state, metrics identical on every device).
+  [b] int32, rewards [b] float32 (NaN or inf: the episode is left out); with
+  `cfg.old_logprobs == "sampler"` also logprobs / entropies [b,T] float32 (the sampler's number for
+  each token). Returns (new state, metrics identical on every device).
   """
   axis = cfg.axis_name
-  b = batch["tokens"].shape[0]
-  if b % cfg.num_minibatches:
-    raise ValueError(f"per-device batch {b} is not divisible by {cfg.num_minibatches} minibatches")
+  b, t = batch["tokens"].shape
+  m = cfg.num_minibatches
+  if b % m:
+    raise ValueError(f"per-device batch {b} is not divisible by {m} minibatches")
   params = lora.combine(state.trainable, frozen)
-  # Position t scores token t + 1. An episode with a non-finite reward (how the trainer marks a
-  # failed one) carries no loss token, so it enters neither the loss nor the task entropies.
+  # Only positions that carry loss are scored: [b, R] gathered from [b, T - 1] (position t scores
+  # token t + 1), a few percent of an agentic episode whose prompt and observations carry none.
+  budget = min(cfg.loss_tokens_per_row or t - 1, t - 1)
+  # An episode with a non-finite reward (how the trainer marks a failed one) carries no loss
+  # token, so it enters neither the loss nor the task entropies.
   valid_B = jnp.isfinite(batch["rewards"])
-  loss_mask_BxT = jnp.where(valid_B[:, None], batch["loss_mask"][:, 1:], False)
+  full_mask_BxT = batch["loss_mask"][:, 1:].astype(bool) & valid_B[:, None]
+  idx_BxR, loss_mask_BxR = loss_positions(full_mask_BxT, budget)
+  over_budget = jnp.sum(jnp.maximum(full_mask_BxT.sum(axis=1) - budget, 0))
+  # Dr. GRPO's constant length is the padded episode length, as if every position were scored.
+  loss_cfg = dataclasses.replace(cfg.loss, seq_norm_len=cfg.loss.seq_norm_len or t - 1)
 
-  # The sampling policy, re-scored teacher-forced: the ratio's denominator and the pacing signal.
-  # One minibatch at a time keeps the activation memory of the old-policy pass bounded.
   def score(p, mb):
-    return sequence_logprobs(p, cfg.model, mb["tokens"], mb["attention_mask"], cfg.temperature)
-  in_order = _minibatches(batch, None, cfg.num_minibatches, cfg.minibatch_sharding)
-  old_logp, entropy = lax.map(lambda mb: score(params, mb), in_order)
-  old_logp_BxT, entropy_BxT = (x.reshape((b,) + x.shape[2:]) for x in (old_logp, entropy))
-  ref_logp_BxT = None
+    return scored_logprobs(p, cfg.model, mb["tokens"], mb["attention_mask"], mb["idx"],
+                           cfg.temperature)
+
+  advantages_B = objective.grpo_advantages(
+      batch["rewards"], batch["group_ids"], cfg.num_groups, estimator=cfg.advantage_estimator,
+      task_ids=batch["task_ids"], num_tasks=cfg.num_tasks, per_task_std=cfg.per_task_std,
+      axis_name=axis)
+  data = {k: batch[k] for k in ("tokens", "attention_mask", "task_ids")}
+  data.update(idx=idx_BxR, loss_mask=loss_mask_BxR, advantages=advantages_B)
   if cfg.loss.kl_coef:
     # The reference policy is the base model: the same params with the adapters left out.
     ref_params = lora.base_params(params)
-    ref_logp_BxT = lax.map(lambda mb: score(ref_params, mb)[0], in_order).reshape(b, -1)
+    data["ref_logp"] = lax.map(lambda mb: score(ref_params, mb)[0],
+                               _minibatches(data, None, m, cfg.minibatch_sharding)).reshape(b, -1)
+
+  def loss_fn(trainable, mb, key, eps_low_K, eps_high_K, old_logp_BxR):
+    logp_BxR, ent_BxR = score(lora.combine(trainable, frozen), mb)
+    # None: the old policy is this pass (nothing updated yet), the ratio exactly 1.
+    old = lax.stop_gradient(logp_BxR) if old_logp_BxR is None else old_logp_BxR
+    loss, metrics = objective.eppo_loss(
+        logp_BxR, old, mb["advantages"], mb["loss_mask"], mb["task_ids"], eps_low_K,
+        eps_high_K, mb.get("ref_logp"), ent_BxR, cfg=loss_cfg, axis_name=axis,
+        num_tasks=cfg.num_tasks, rng=key)
+    return loss, (metrics, lax.stop_gradient(logp_BxR), lax.stop_gradient(ent_BxR))
+
+  def apply(carry, loss, metrics, grads):
+    trainable, opt_state = carry
+    grads = grads if axis is None else lax.pmean(grads, axis)
+    # A non-finite loss or gradient skips this update; the host counts skips and stops the run
+    # after several in a row.
+    ok = jnp.isfinite(loss) & _finite(grads)
+    if axis is not None:
+      ok = lax.pmin(ok.astype(jnp.int32), axis) > 0  # All devices skip together.
+
+    def step(operands):
+      trainable, opt_state, grads = operands
+      updates, opt_state = tx.update(grads, opt_state, trainable)
+      return optax.apply_updates(trainable, updates), opt_state
+
+    # A branch, not a select of old and new: the skipped path holds no second copy of the params
+    # and optimizer state, which matters for full fine-tuning.
+    carry = lax.cond(ok, step, lambda operands: operands[:2], (trainable, opt_state, grads))
+    metrics = dict(metrics, grad_norm=optax.tree.norm(grads), skipped=1 - ok.astype(jnp.int32))
+    return carry, metrics
+
+  rng_epochs = jax.random.split(rng, cfg.ppo_epochs)
+  keys0 = jax.random.split(jax.random.split(rng_epochs[0])[1], m)
+  first = None
+  if cfg.old_logprobs == "sampler":
+    if "logprobs" not in batch or "entropies" not in batch:
+      raise ValueError('old_logprobs="sampler" needs batch["logprobs"] and batch["entropies"]')
+    # The rollout's own numbers (aligned with tokens: token t + 1 is scored at position t).
+    old_logp_BxR, entropy_BxR = (
+        jnp.take_along_axis(batch[k][:, 1:].astype(jnp.float32), idx_BxR, axis=1)
+        for k in ("logprobs", "entropies"))
+  else:
+    # The sampling policy, re-scored teacher-forced: the ratio's denominator and the pacing signal.
+    # The first minibatch of the first epoch is differentiated first, before pacing has produced
+    # this step's bounds: its ratio is exactly 1, strictly inside every [1 - eps_low, 1 + eps_high],
+    # so neither its gradient nor its metrics depend on the bounds (nor do the KL, the entropy
+    # bonus or Clip-Cov / KL-Cov's token choice), and its own pass (stop-gradient) is the old
+    # policy's. Only the other minibatches need a separate pass with the pre-update params, one at
+    # a time to bound its activation memory.
+    placeholder_K = jnp.ones((cfg.num_tasks,), jnp.float32)  # Any positive bounds: unused at r = 1.
+    in_order = _minibatches(data, None, m, cfg.minibatch_sharding)
+    (loss0, (metrics0, logp0, ent0)), grads0 = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.trainable, _take(in_order, 0), keys0[0], placeholder_K, placeholder_K, None)
+    first = (loss0, metrics0, grads0)
+    old_logp, entropy = logp0[None], ent0[None]
+    if m > 1:
+      rest = jax.tree_util.tree_map(lambda x: x[1:], in_order)
+      old_rest, ent_rest = lax.map(lambda mb: score(params, mb), rest)
+      old_logp = jnp.concatenate([old_logp, old_rest])
+      entropy = jnp.concatenate([entropy, ent_rest])
+    old_logp_BxR, entropy_BxR = old_logp.reshape(b, -1), entropy.reshape(b, -1)
+  data["old_logp"] = old_logp_BxR
 
   # EPPO: task entropies of the sampling policy -> smoothed state -> per-task bounds.
-  ent_K, cnt_K = pacing.task_entropy(entropy_BxT, loss_mask_BxT, batch["task_ids"],
+  ent_K, cnt_K = pacing.task_entropy(entropy_BxR, loss_mask_BxR, batch["task_ids"],
                                      cfg.num_tasks, axis)
   diagnostics = pacing.pacing_diagnostics(state.pacing, ent_K, cnt_K, cfg.pacing)
   healthy = jnp.all(jnp.isfinite(ent_K))
@@ -122,66 +245,41 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
                                       state.pacing)
   eps_low_K, eps_high_K = pacing.pacing_bounds(new_pacing, cfg.pacing)
 
-  advantages_B = objective.grpo_advantages(
-      batch["rewards"], batch["group_ids"], cfg.num_groups, estimator=cfg.advantage_estimator,
-      task_ids=batch["task_ids"], num_tasks=cfg.num_tasks, per_task_std=cfg.per_task_std,
-      axis_name=axis)
-
-  data = dict(batch, old_logp=old_logp_BxT, advantages=advantages_B, loss_mask=loss_mask_BxT)
-  if ref_logp_BxT is not None:
-    data["ref_logp"] = ref_logp_BxT
-
-  def loss_fn(trainable, mb, key):
-    logp_BxT, ent_BxT = score(lora.combine(trainable, frozen), mb)
-    return objective.eppo_loss(
-        logp_BxT, mb["old_logp"], mb["advantages"], mb["loss_mask"], mb["task_ids"], eps_low_K,
-        eps_high_K, mb.get("ref_logp"), ent_BxT, cfg=cfg.loss, axis_name=axis,
-        num_tasks=cfg.num_tasks, rng=key)
-
   def update(carry, xs):
-    trainable, opt_state = carry
     mb, key = xs
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, mb, key)
-    grads = grads if axis is None else lax.pmean(grads, axis)
-    # A non-finite loss or gradient skips this update; the host counts skips and stops the run
-    # after several in a row.
-    ok = jnp.isfinite(loss) & _finite(grads)
-    if axis is not None:
-      ok = lax.pmin(ok.astype(jnp.int32), axis) > 0  # All devices skip together.
+    (loss, (metrics, _, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        carry[0], mb, key, eps_low_K, eps_high_K, mb["old_logp"])
+    return apply(carry, loss, metrics, grads)
 
-    def apply(operands):
-      trainable, opt_state, grads = operands
-      updates, opt_state = tx.update(grads, opt_state, trainable)
-      return optax.apply_updates(trainable, updates), opt_state
-
-    # A branch, not a select of old and new: the skipped path holds no second copy of the params
-    # and optimizer state, which matters for full fine-tuning.
-    carry = lax.cond(ok, apply, lambda operands: operands[:2], (trainable, opt_state, grads))
-    metrics = dict(metrics, grad_norm=optax.tree.norm(grads), skipped=1 - ok.astype(jnp.int32))
-    return carry, metrics
-
-  rng_epochs = jax.random.split(rng, cfg.ppo_epochs)
   carry = (state.trainable, state.opt_state)
   per_update = []
   for epoch in range(cfg.ppo_epochs):
     # The same permutation on every device (same key), so minibatch i is a global minibatch.
     perm_key, loss_key = jax.random.split(rng_epochs[epoch])
     order = jax.random.permutation(perm_key, b) if epoch else None
-    keys = jax.random.split(loss_key, cfg.num_minibatches)
-    carry, metrics = lax.scan(update, carry, (_minibatches(data, order, cfg.num_minibatches,
-                                                           cfg.minibatch_sharding), keys))
+    keys = jax.random.split(loss_key, m)
+    mbs = _minibatches(data, order, m, cfg.minibatch_sharding)
+    if epoch == 0 and first is not None:
+      carry, metrics = apply(carry, *first)
+      per_update.append(jax.tree_util.tree_map(lambda x: x[None], metrics))
+      mbs, keys = jax.tree_util.tree_map(lambda x: x[1:], (mbs, keys))
+      if m == 1:
+        continue
+    carry, metrics = lax.scan(update, carry, (mbs, keys))
     per_update.append(metrics)
   per_update = jax.tree_util.tree_map(lambda *x: jnp.concatenate(x), *per_update)
   metrics = {k: (v.sum(0) if k == "skipped" else v.mean(0)) for k, v in per_update.items()}
   advantage_abs_mean = jnp.mean(jnp.abs(advantages_B))  # This device's share (equal sizes).
   if axis is not None:
     advantage_abs_mean = lax.pmean(advantage_abs_mean, axis)
+    over_budget = lax.psum(over_budget, axis)
   metrics.update(
       entropy_K=ent_K, token_count_K=cnt_K, eps_low_K=eps_low_K, eps_high_K=eps_high_K,
       entropy_ema_K=new_pacing.ema_K, entropy_crossovers=diagnostics["entropy_crossovers"],
       entropy_spikes_K=diagnostics["entropy_spikes_K"].astype(jnp.int32),
       num_entropy_spikes=diagnostics["num_entropy_spikes"],
-      advantage_abs_mean=advantage_abs_mean, nonfinite_entropy=1 - healthy)
+      advantage_abs_mean=advantage_abs_mean, nonfinite_entropy=1 - healthy,
+      loss_tokens_over_budget=over_budget.astype(jnp.int32))
   trainable, opt_state = carry
   new_state = TrainState(step=state.step + 1, trainable=trainable, opt_state=opt_state,
                          pacing=new_pacing)

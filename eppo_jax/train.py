@@ -42,6 +42,7 @@ _DEMO_SEED = 1_000_000  # First seed of the SFT demonstrations.
 # resumed run draws the same numbers as an uninterrupted one.
 _KEY_PURPOSES = ("rollout", "train", "eval", "lora")
 _BATCH_KEYS = ("tokens", "attention_mask", "loss_mask", "task_ids", "group_ids", "rewards")
+_SAMPLER_KEYS = ("logprobs", "entropies")  # Read by train_step with optim.old_logprobs="sampler".
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,9 @@ def step_config(config: ml_collections.ConfigDict, model_cfg,
       num_groups=config.rollout.instances_per_step, temperature=config.rollout.temperature,
       ppo_epochs=config.optim.ppo_epochs, num_minibatches=config.optim.num_minibatches,
       advantage_estimator=config.advantage_estimator, per_task_std=config.per_task_std,
-      **mesh_fields)
+      # A reply has at most max_new_tokens loss tokens per turn.
+      loss_tokens_per_row=agent.bucket(config.rollout.max_turns * config.rollout.max_new_tokens, 32),
+      old_logprobs=config.optim.old_logprobs, **mesh_fields)
 
 
 def make_optimizer(lr: float, warmup: int, weight_decay: float, grad_clip: float):
@@ -199,14 +202,15 @@ def episode_metrics(episodes: agent.EpisodeBatch, num_tasks: int, prefix: str = 
   return scalars, per_task
 
 
-def batch_arrays(episodes: agent.EpisodeBatch, group_offset: int) -> dict:
+def batch_arrays(episodes: agent.EpisodeBatch, group_offset: int, sampler: bool = False) -> dict:
   """The train_step inputs, padded to a sequence length that every host agrees on; episodes left
-  out of the update carry a NaN reward (`agent.training_rewards`)."""
-  arrays = {k: getattr(episodes, k) for k in _BATCH_KEYS}
+  out of the update carry a NaN reward (`agent.training_rewards`). `sampler` adds the sampler's
+  per-token log-probs and entropies."""
+  arrays = {k: getattr(episodes, k) for k in _BATCH_KEYS + (_SAMPLER_KEYS if sampler else ())}
   arrays["rewards"] = agent.training_rewards(episodes)
   arrays["group_ids"] = arrays["group_ids"] + group_offset  # Globally unique over hosts.
   width = parallel.global_max(arrays["tokens"].shape[1])
-  for key in ("tokens", "attention_mask", "loss_mask"):
+  for key in ("tokens", "attention_mask", "loss_mask") + (_SAMPLER_KEYS if sampler else ()):
     x = arrays[key]
     arrays[key] = np.pad(x, ((0, 0), (0, width - x.shape[1])))
   return arrays
@@ -374,7 +378,9 @@ def _train(config: ml_collections.ConfigDict, workdir: Path,
     policy = run.policy(state.trainable, jax.random.fold_in(rollout_key, step), greedy=False)
     episodes = run.play(policy, instances, r.group_size)
     env_s, play_s = run.stepper.seconds, time.time() - start
-    batch = meshlib.put_rows(batch_arrays(episodes, jax.process_index() * host_instances), mesh)
+    steps.check_loss_budget(episodes.loss_mask, step_cfg.loss_tokens_per_row)
+    batch = meshlib.put_rows(batch_arrays(episodes, jax.process_index() * host_instances,
+                                          sampler=step_cfg.old_logprobs == "sampler"), mesh)
     with jax.set_mesh(mesh):
       state, metrics = p_train(state, run.frozen, batch, jax.random.fold_in(train_key, step))
     metrics = meshlib.fetch(metrics)

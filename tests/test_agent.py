@@ -242,7 +242,7 @@ class _RecordingPolicy:
                            **kwargs)
     self.outputs.append(jax.device_get((out.tokens, out.logprobs, out.mask)))
     assert not np.asarray(out.mask)[~active].any()  # Finished rows generate nothing.
-    return out.tokens, out.mask, out.cache
+    return out.tokens, out.mask, out.cache, (out.logprobs, out.entropies)
 
 
 _full_logits = jax.jit(eppo_jax.logits, static_argnums=1)
@@ -281,6 +281,10 @@ def test_model_episodes_are_what_the_cache_saw(pretrained, chat):
     assert len(where) == len(generated) > 0
     np.testing.assert_array_equal(batch.tokens[b, where], generated)
     np.testing.assert_allclose(logp[b, where - 1], reported, atol=1e-4, rtol=0)
+    # The episode records the sampler's numbers aligned with its tokens, zero elsewhere.
+    np.testing.assert_array_equal(batch.logprobs[b, where], reported)
+    np.testing.assert_allclose(batch.entropies[b, where], entropy[b, where - 1], atol=1e-4)
+  assert not batch.logprobs[~batch.loss_mask].any() and not batch.entropies[~batch.loss_mask].any()
 
 
 def test_model_policy_collects_consistent_greedy_episodes(pretrained, chat):
@@ -305,6 +309,7 @@ def test_model_policy_collects_consistent_greedy_episodes(pretrained, chat):
   for b in range(len(batch.rewards)):
     where = np.flatnonzero(batch.loss_mask[b])
     assert len(where) > 0 and np.isfinite(logp[b, where - 1]).all()
+    np.testing.assert_allclose(batch.logprobs[b, where], logp[b, where - 1], atol=1e-4)
     top2 = np.sort(logits[b, where - 1], axis=-1)[:, -2:]
     decided = top2[:, 1] - top2[:, 0] > 1e-4  # Near-ties cannot tell cached from uncached math.
     argmax = logits[b, where - 1].argmax(-1)

@@ -176,17 +176,27 @@ class DecoderLayer(nn.Module):
     return mesh.constrain_rows(x_BxTxD), new_cache
 
 
+HEADS = ("logits", "last", "hidden")
+
+
 class Transformer(nn.Module):
-  """Token ids in, float32 logits out; layers are scanned so compile time does not grow with L."""
+  """Token ids in, float32 logits out; layers are scanned so compile time does not grow with L.
+
+  `head` picks the output: "logits" at every position [B,T,V], "last" for the last position only
+  [B,1,V] (a left-padded prefill needs no more), or "hidden", the final-norm hidden states [B,T,D]
+  for a caller that applies the LM head itself (in chunks, see `eppo_jax.logprobs`).
+  """
 
   config: ModelConfig
 
   @nn.compact
   def __call__(self, tokens_BxT, positions_BxT, token_mask_BxT, kv_cache=None,
-               cache_valid_BxS=None):
+               cache_valid_BxS=None, head: str = "logits"):
     """`token_mask_BxT` marks valid tokens (attention is causal over them); with a cache,
     `kv_cache` = (k, v) [L,B,K,S,H] are the slots before the chunk and `cache_valid_BxS` the
     visible ones among them."""
+    if head not in HEADS:
+      raise ValueError(f"head must be one of {HEADS}, got {head!r}")
     cfg = self.config
     embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=cfg.weight_dtype,
                      embedding_init=nn.initializers.normal(0.02), name="embed_tokens")
@@ -218,12 +228,28 @@ class Transformer(nn.Module):
                                                       cache_valid_BxS)
 
     x_BxTxD = RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.weight_dtype, name="norm")(x_BxTxD)
+    if head == "hidden" and not self.is_initializing():
+      return x_BxTxD, new_cache
+    if head == "last":
+      x_BxTxD = x_BxTxD[:, -1:]
     if cfg.tie_word_embeddings:
-      logits = x_BxTxD @ embed.embedding.astype(cfg.compute_dtype).T
+      logits = lm_head(x_BxTxD, embed.embedding.T, cfg)
     else:
       logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype,
                         param_dtype=cfg.weight_dtype, name="lm_head")(x_BxTxD)
     return logits.astype(jnp.float32), new_cache
+
+
+def lm_head(x_BxTxD, kernel_DxV, config: ModelConfig) -> jax.Array:
+  """float32 logits of hidden states through the head matrix, in the model's compute dtype."""
+  dtype = config.compute_dtype
+  return (x_BxTxD.astype(dtype) @ kernel_DxV.astype(dtype)).astype(jnp.float32)
+
+
+def head_kernel(params: Params, config: ModelConfig) -> jax.Array:
+  """The LM head matrix [D,V]: the embedding's transpose when tied (LoRA never adapts the head)."""
+  p = params["params"]
+  return p["embed_tokens"]["embedding"].T if config.tie_word_embeddings else p["lm_head"]["kernel"]
 
 
 def init_params(config: ModelConfig, rng: jax.Array) -> Params:
@@ -254,11 +280,18 @@ def positions_from_mask(mask_BxT, start_B=None):
   return jnp.maximum(pos, 0)
 
 
-def logits(params: Params, config: ModelConfig, tokens_BxT, attention_mask_BxT) -> jax.Array:
+def logits(params: Params, config: ModelConfig, tokens_BxT, attention_mask_BxT,
+           head: str = "logits") -> jax.Array:
   """Full causal forward without cache -> float32 logits [B,T,V]; works on left or right padding."""
   valid_BxT = attention_mask_BxT.astype(bool)
-  out, _ = Transformer(config).apply(params, tokens_BxT, positions_from_mask(valid_BxT), valid_BxT)
+  out, _ = Transformer(config).apply(params, tokens_BxT, positions_from_mask(valid_BxT), valid_BxT,
+                                     head=head)
   return out
+
+
+def hidden_states(params: Params, config: ModelConfig, tokens_BxT, attention_mask_BxT) -> jax.Array:
+  """Like `logits` but stops before the LM head: final-norm hidden states [B,T,D] (compute dtype)."""
+  return logits(params, config, tokens_BxT, attention_mask_BxT, head="hidden")
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
@@ -283,8 +316,11 @@ def write_chunk(cache: Cache, chunk_kv) -> Cache:
 
 
 def forward_with_cache(params: Params, config: ModelConfig, tokens_BxT, token_mask_BxT,
-                       cache: Cache, prefix: Optional[int] = None, defer_write: bool = False):
+                       cache: Cache, prefix: Optional[int] = None, defer_write: bool = False,
+                       head: str = "logits"):
   """Writes `T` new tokens at `cache["index"]` -> (float32 logits [B,T,V], cache).
+
+  `head="last"` returns the last column's logits only ([B,1,V]), see `Transformer`.
 
   Rows may be left-padded inside the chunk (`token_mask_BxT` False on pads); pads are never attended.
   The chunk attends only to the first `prefix` slots of the cache (static; default all S): the
@@ -309,7 +345,7 @@ def forward_with_cache(params: Params, config: ModelConfig, tokens_BxT, token_ma
   used = lambda c: c[:, :, :, :prefix]
   out, (k_LxBxKxTxH, v_LxBxKxTxH) = Transformer(config).apply(
       params, tokens_BxT, positions_BxT, valid_BxT, (used(cache["k"]), used(cache["v"])),
-      old_valid_BxP)
+      old_valid_BxP, head=head)
   new_cache = {
       **cache,
       "mask": jax.lax.dynamic_update_slice(cache["mask"], valid_BxT, (0, index)),
