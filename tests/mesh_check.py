@@ -89,7 +89,7 @@ def greedy_turns(mesh, model, params):
     chunk = rng.integers(4, MODEL.vocab_size, size=(6, width)).astype(np.int32)
     mask = np.arange(width)[None] >= rng.integers(0, width - 2, size=6)[:, None]
     mask[2] = False  # A finished conversation.
-    reply, reply_mask, state = policy(np.where(mask, chunk, 0), mask, state, mask.any(1))
+    reply, reply_mask, state, _ = policy(np.where(mask, chunk, 0), mask, state, mask.any(1))
     out.append((np.asarray(reply), np.asarray(reply_mask)))
   return out
 

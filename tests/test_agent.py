@@ -340,7 +340,7 @@ def test_model_policy_compaction_keeps_greedy_replies(pretrained, chat):
         [list(rng.integers(5, vocab, k)) if a else [] for k, a in zip(lengths, active)], [32], 0)
     replies = {}
     for c, policy in policies.items():
-      reply, reply_mask, states[c] = policy(chunk, mask, states[c], active.copy())
+      reply, reply_mask, states[c], _ = policy(chunk, mask, states[c], active.copy())
       replies[c] = (reply, reply_mask)
     (plain, plain_mask), (packed, packed_mask) = replies[False], replies[True]
     np.testing.assert_array_equal(packed_mask, plain_mask)
