@@ -84,7 +84,8 @@ def test_training_rewards_leave_out_failed_nonfinite_and_lone_episodes():
   groups = np.array([0, 0, 0, 1, 1, 1, 2, 2])  # Group 0 keeps one healthy member.
   batch = agent.EpisodeBatch(
       tokens=np.zeros((8, 4), np.int32), attention_mask=np.ones((8, 4), bool),
-      loss_mask=np.ones((8, 4), bool), task_ids=np.zeros(8, np.int32), group_ids=groups,
+      loss_mask=np.ones((8, 4), bool), logprobs=np.zeros((8, 4), np.float32),
+      entropies=np.zeros((8, 4), np.float32), task_ids=np.zeros(8, np.int32), group_ids=groups,
       rewards=rewards, success=np.zeros(8, bool), turns=np.ones(8, np.int32),
       invalid_actions=np.zeros(8, np.int32), failed=failed, truncated=np.zeros(8, bool))
   got = agent.training_rewards(batch)
