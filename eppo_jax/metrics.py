@@ -97,8 +97,7 @@ class MetricsLogger:
     if not self._write:
       return
     if self._bar_phase != phase:
-      if self._bar is not None:
-        self._bar.close()
+      self.end_progress()
       from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
       # Starts at this step: the ETA then counts only steps timed in this process.
       self._bar = tqdm(total=total or self._total, initial=step, desc=phase, dynamic_ncols=True)
@@ -106,6 +105,12 @@ class MetricsLogger:
     else:
       self._bar.update(step - self._bar.n)
     self._bar.set_postfix_str(summary, refresh=True)
+
+  def end_progress(self) -> None:
+    """Closes the current phase's bar, so its rate and time stop where the phase did."""
+    if self._bar is not None:
+      self._bar.close()
+    self._bar = self._bar_phase = None
 
   def series(self, key: str):
     """(steps, values) of one key over the history, skipping records without it."""

@@ -277,6 +277,7 @@ def sft_stage(run: Run, trainable, logger: MetricsLogger):
       loss = float(meshlib.fetch(metrics)["sft_loss"])
       logger.progress(i + 1, f"loss {loss:.3f}", phase="sft", total=s.steps)
       logger.log(-s.steps + i + 1, {"sft_loss": loss})
+  logger.end_progress()
   log.info("SFT: %d steps in %.0fs, final loss %.4f", s.steps, time.time() - start, loss)
   return trainable
 
