@@ -87,8 +87,6 @@ class RolloutOutput:
 # Distribution helpers: the one formula of eppo_jax.logprobs, shared with the trainer, so sampled
 # and recomputed numbers agree.
 
-token_logprobs_and_entropy = logprobs.token_logprobs_and_entropy
-
 
 def truncate_logits(z_BxV, top_k: int = 0, top_p: float = 1.0):
   """Sets tokens outside top-k, then outside the top-p nucleus, to -inf (k first, as HF does)."""
@@ -115,8 +113,8 @@ def sample_token(logits_BxV, rng, sampling: SamplingConfig):
     truncated_BxV = truncate_logits(z_BxV, sampling.top_k, sampling.top_p)
     token_B = jax.random.categorical(rng, truncated_BxV, axis=-1)
   token_B = token_B.astype(jnp.int32)
-  logprob_Bx1, entropy_Bx1 = token_logprobs_and_entropy(logits_BxV[:, None], token_B[:, None],
-                                                        sampling.temperature)
+  logprob_Bx1, entropy_Bx1 = logprobs.token_logprobs_and_entropy(
+      logits_BxV[:, None], token_B[:, None], sampling.temperature)
   return token_B, logprob_Bx1[:, 0], entropy_Bx1[:, 0]
 
 

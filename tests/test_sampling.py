@@ -9,7 +9,7 @@ import pytest
 import scipy.stats
 
 import eppo_jax
-from eppo_jax import lora
+from eppo_jax import logprobs, lora
 from eppo_jax import sampling
 from eppo_jax.models.config import LoraConfig, ModelConfig
 from eppo_jax.models.transformer import init_params
@@ -60,7 +60,7 @@ def _teacher_forced(params, config, chunks, temperature):
   tokens_BxT, mask_BxT, where = _compact(chunks)
   logits_BxTxV = full_logits(params, config, jnp.asarray(tokens_BxT), jnp.asarray(mask_BxT))
   # Token j is predicted by the logits at j - 1.
-  lp, ent = sampling.token_logprobs_and_entropy(logits_BxTxV[:, :-1],
+  lp, ent = logprobs.token_logprobs_and_entropy(logits_BxTxV[:, :-1],
                                                 jnp.asarray(tokens_BxT[:, 1:]), temperature)
   lp, ent = np.asarray(lp), np.asarray(ent)
   out = []
