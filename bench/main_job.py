@@ -2,6 +2,7 @@
 
   python bench/main_job.py --before <commit> --after <commit>              # 12 RL steps each
   python bench/main_job.py --before main~3 --after main --steps 20 --rounds 2 --cores 2
+  python bench/main_job.py --before X --after Y --warm /tmp/main_job_kept/sft   # reuse an SFT
 
 Each commit gets its own `git worktree` (a detached checkout in a temporary folder), and each run
 is `python run.py --config=configs/multitask.py` in that checkout with `PYTHONPATH` set to it, so
@@ -72,10 +73,12 @@ def run_job(src: Path, workdir: Path, num_steps: int, extra, log: Path) -> float
   """`python run.py` of the default config in checkout `src`; -> wall seconds."""
   cmd = [sys.executable, "run.py", f"--config={CONFIG}", f"--workdir={workdir}",
          f"--config.train.num_steps={num_steps}", *QUIET, *extra]
+  # Every run compiles from scratch: a persistent XLA cache shared between runs would make the
+  # later runs of a commit that has one look faster than its first.
+  env = dict(side_env(src), JAX_COMPILATION_CACHE_DIR=str(workdir / "xla_cache"))
   start = time.time()
   with open(log, "w", encoding="utf-8") as f:
-    proc = subprocess.run(cmd, cwd=src, env=side_env(src), stdout=f, stderr=subprocess.STDOUT,
-                          check=False)
+    proc = subprocess.run(cmd, cwd=src, env=env, stdout=f, stderr=subprocess.STDOUT, check=False)
   if proc.returncode:
     tail = log.read_text(encoding="utf-8", errors="replace")[-3000:]
     raise SystemExit(f"{tail}\n{' '.join(cmd)} failed in {src} (exit {proc.returncode}); "
@@ -112,6 +115,8 @@ def main():
                       help="first RL steps left out of the mean (XLA compilation)")
   parser.add_argument("--sft", default="once", choices=("once", "each"),
                       help="once: one SFT at --before, reused by both; each: SFT in every run")
+  parser.add_argument("--warm", help="reuse this SFT workdir (from an earlier --keep run) instead "
+                      "of training one; implies --sft once")
   parser.add_argument("--rounds", type=int, default=1, help="before/after pairs, order alternating")
   parser.add_argument("--cores", type=int, default=0,
                       help="cores for both runs (0 = all this process may use)")
@@ -140,7 +145,10 @@ def main():
     print(f"{cores} cores; {args.steps} RL steps per run, mean over steps {args.skip + 1}-"
           f"{args.steps}; SFT {args.sft}; {args.rounds} round(s); runs in {root}", flush=True)
     sft_dir = None
-    if args.sft == "once":
+    if args.warm:
+      sft_dir = Path(args.warm).resolve()
+      print(f"SFT: reusing {sft_dir}", flush=True)
+    elif args.sft == "once":
       sft_dir = root / "sft"
       wall = run_job(srcs["before"], sft_dir, 0, extra, root / "sft.log")
       print(f"SFT (at before, num_steps=0): {wall:.0f} s", flush=True)

@@ -13,7 +13,8 @@ sampled completions of each (temperature 1, at most N new tokens, stop at `<|im_
 environment's verdict on each completion as the reward, GRPO advantages, and one policy update of
 `--minibatches` optimizer steps over the B x G completions (full fine-tuning, AdamW, clip 1.0, no
 KL). Our side: pmapped `sampling.rollout` -> host rewards -> pmapped `steps.train_step` (which
-re-scores old log-probs, paces and computes the advantages). TRL: `GRPOTrainer` with
+re-scores old log-probs, paces and computes the advantages; the LM head runs at the completion's
+positions only, `StepConfig.loss_tokens_per_row`, as in the trainer). TRL: `GRPOTrainer` with
 `num_generations=G`, `per_device_train_batch_size = B x G / minibatches`,
 `steps_per_generation = minibatches`, so each generation is followed by `minibatches` optimizer
 steps, as ours. The prompts come in the same order on both sides.
@@ -130,6 +131,9 @@ class OurStep:
                                    pad_id=pre.tokenizer.pad_token_id)
 
     extra, self.old_logprobs = old_logprobs_choice(steps.StepConfig, args.old_logprobs)
+    if "loss_tokens_per_row" in {f.name for f in dataclasses.fields(steps.StepConfig)}:
+      # As the trainer sets it: the LM head runs at the completion's positions only.
+      extra["loss_tokens_per_row"] = -(-args.new_tokens // 32) * 32
     from_sampler = self.old_logprobs == "sampler"
 
     def sample(trainable, frozen, tokens, mask, rng):

@@ -59,6 +59,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.dtype = "float32"  # Compute dtype; bfloat16 on accelerators.
   c.model.param_dtype = "float32"  # Storage dtype of the frozen base weights.
   c.model.remat = False  # Recompute layers in the backward pass (long sequences / big models).
+  # Attention kernel: "blockwise" (plain JAX, online softmax over query x key blocks: no [T, T]
+  # scores; every backend), "dense" (the reference), "xla" (jax.nn.dot_product_attention) or
+  # "cudnn" (its fused GPU kernel). Smaller blocks: less memory, more loop steps.
+  c.model.attention_impl = "blockwise"
+  c.model.attention_block_q = 512
+  c.model.attention_block_k = 512
   c.model.lora_rank = 0  # 0 = full fine-tuning; >0 trains LoRA adapters only.
   c.model.lora_alpha = 32.0
   c.model.lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -125,6 +131,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.checkpoint_keep = 2
   c.train.log_every = 1
   c.train.max_bad_steps = 3  # Consecutive non-finite steps before the run stops.
+  # XLA's persistent compilation cache ("" = off): a rerun, a resumed run or another run with the
+  # same shapes loads its programs instead of compiling them (seconds each on CPU, minutes for
+  # big models). Any path jax accepts, gs:// included; JAX_COMPILATION_CACHE_DIR takes precedence.
+  c.train.compilation_cache = "~/.cache/eppo_jax/xla"
   c.train.export_hf = True  # Write the final policy as an HF directory (LoRA merged).
   c.train.tensorboard = True
   c.train.plots = True

@@ -17,6 +17,7 @@ import ml_collections
 
 from eppo_jax import agent, mesh, objective, steps
 from eppo_jax.envs import registry
+from eppo_jax.models.config import ATTENTION_IMPLS
 
 ENV_BACKENDS = ("auto",) + agent.ENV_BACKENDS
 DTYPES = ("float32", "bfloat16", "float16")
@@ -45,6 +46,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.tiny_num_kv_heads": (_at_least(1), ">= 1"),
     "model.tiny_vocab_size": (_at_least(64), ">= 64"),
     "model.lora_rank": (_at_least(0), ">= 0"),
+    "model.attention_block_q": (_at_least(1), ">= 1"),
+    "model.attention_block_k": (_at_least(1), ">= 1"),
     "model.lora_alpha": (_positive, "> 0"),
     "tasks.env_workers": (_at_least(0), ">= 0"),
     "tasks.step_timeout_s": (_positive, "> 0"),
@@ -81,6 +84,7 @@ CHOICES: dict[str, tuple] = {
     "optim.old_logprobs": steps.OLD_LOGPROBS,
     "model.dtype": DTYPES,
     "model.param_dtype": DTYPES,
+    "model.attention_impl": ATTENTION_IMPLS,
     "tasks.system_prompt": agent.SYSTEM_PROMPTS,
     "tasks.env_backend": ENV_BACKENDS,
     "distributed.initialize": ("auto", "on", "off"),

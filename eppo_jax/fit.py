@@ -126,7 +126,9 @@ def model_config(config):
   else:
     raise ValueError(f"config.model.source={m.source!r}: no shape known; give a local HF "
                      f"directory or one of {sorted(MODEL_SHAPES)}")
-  cfg = hf.config_from_hf(h, dtype=m.dtype, param_dtype=m.param_dtype).replace(remat=m.remat)
+  from eppo_jax import train  # pylint: disable=g-import-not-at-top
+  cfg = hf.config_from_hf(h, dtype=m.dtype, param_dtype=m.param_dtype).replace(
+      **train.model_options(config))
   if m.lora_rank:
     cfg = cfg.replace(lora=LoraConfig(rank=m.lora_rank, alpha=m.lora_alpha,
                                       targets=tuple(m.lora_targets)))
@@ -176,15 +178,9 @@ def compile_train(config, model_cfg, mesh) -> Fit:
   """The RL update of one step: `steps.train_step` on the preset's global batch."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from eppo_jax import mesh as meshlib, objective, pacing, steps, train  # pylint: disable=g-import-not-at-top
+  from eppo_jax import mesh as meshlib, pacing, steps, train  # pylint: disable=g-import-not-at-top
   r, o = config.rollout, config.optim
-  pacing_cfg, loss_cfg = objective.method_configs(
-      config.method, **dict(config.pacing.overrides), **dict(config.loss.overrides))
-  step_cfg = steps.StepConfig(model=model_cfg, pacing=pacing_cfg, loss=loss_cfg,
-                              num_tasks=len(config.tasks.specs),
-                              num_groups=r.instances_per_step, temperature=r.temperature,
-                              ppo_epochs=o.ppo_epochs, num_minibatches=o.num_minibatches,
-                              axis_name=None, minibatch_sharding=meshlib.minibatch_sharding(mesh))
+  step_cfg = train.step_config(config, model_cfg, mesh)  # What the trainer compiles.
   tx = train.make_optimizer(o.learning_rate, o.warmup_steps, o.weight_decay, o.grad_clip)
   trainable, frozen = _abstract_params(model_cfg, mesh)
   state = jax.eval_shape(lambda t: steps.TrainState(
@@ -197,6 +193,8 @@ def compile_train(config, model_cfg, mesh) -> Fit:
   batch = dict(tokens=sds((b, t), jnp.int32), attention_mask=sds((b, t), bool),
                loss_mask=sds((b, t), bool), task_ids=sds((b,), jnp.int32),
                group_ids=sds((b,), jnp.int32), rewards=sds((b,), jnp.float32))
+  if step_cfg.old_logprobs == "sampler":  # The rollout's numbers travel with the batch.
+    batch.update(logprobs=sds((b, t), jnp.float32), entropies=sds((b, t), jnp.float32))
   key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=meshlib.replicated(mesh))
   fn = jax.jit(functools.partial(steps.train_step, cfg=step_cfg, tx=tx),
                in_shardings=(state_sh, meshlib.shardings(frozen, mesh), rows,
@@ -239,7 +237,9 @@ def check(config, topology: str, prompt_tokens: int = 512, hbm_gib: float = 0.0,
   from eppo_jax import mesh as meshlib  # pylint: disable=g-import-not-at-top
   devices = topology_devices(topology)
   mesh = meshlib.make_mesh(config.mesh, devices)
-  model_cfg = model_config(config)
+  # The decode loop's layout follows the platform it runs on (`ModelConfig.unroll_decode`), which
+  # is the topology's, not this process's backend.
+  model_cfg = model_config(config).replace(unroll_decode=devices[0].platform == "cpu")
   fits = []
   if "train" in programs:
     fits.append(compile_train(config, model_cfg, mesh))

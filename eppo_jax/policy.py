@@ -49,8 +49,9 @@ def compiled_turn(config: ModelConfig, sampling: SamplingConfig, mesh: jax.shard
 @functools.lru_cache(maxsize=None)
 def _compactor(mesh: jax.sharding.Mesh, num_kv_heads: int):
   cache_sh = meshlib.cache_shardings(mesh, num_kv_heads)
+  # No donation: the smaller output cannot reuse the input's buffer.
   return jax.jit(_take_rows, in_shardings=(cache_sh, meshlib.replicated(mesh)),
-                 out_shardings=cache_sh, donate_argnums=(0,))
+                 out_shardings=cache_sh)
 
 
 class ModelPolicy:
@@ -62,8 +63,9 @@ class ModelPolicy:
 
   Cost follows use. Each turn attends over a bucketed prefix of the cache that covers the slots
   written so far (counted here on the host, see `sampling.prefix_bucket`). With `compact` (one
-  host), once the live episodes fit a smaller batch (a power of two, a multiple of the batch
-  shards), the live rows of the cache are gathered into it, so later turns run on live rows only.
+  host), once the live episodes fit a quarter of the batch (B/4, B/16, ..., while that is a
+  multiple of the batch shards), the live rows of the cache are gathered into it, so later turns
+  run on live rows only.
   Greedy episodes are unchanged by compaction; sampled ones draw from other random streams (a
   row's draw depends on its position in the batch), with the same distribution.
   """
@@ -84,8 +86,10 @@ class ModelPolicy:
     """Gathers the live rows into a smaller batch when they fit one."""
     rows_R = self._rows_R
     live_R = (rows_R >= 0) & active_B[np.maximum(rows_R, 0)]
-    smaller = 1 << (max(int(live_R.sum()), 1) - 1).bit_length()
-    smaller = -(-smaller // self._shards) * self._shards
+    # Quarters of the batch (B, B/4, B/16, ...): each size is another set of compiled programs.
+    smaller = len(rows_R)
+    while smaller % (4 * self._shards) == 0 and smaller // 4 >= max(int(live_R.sum()), 1):
+      smaller //= 4
     if smaller >= len(rows_R):
       return cache
     # Live rows first; dead rows fill the rest (their chunks are empty from now on).

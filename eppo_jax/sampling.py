@@ -166,11 +166,12 @@ def _check_fits(cache: Cache, t: int, what: str) -> None:
 
 
 def prefix_bucket(needed: int, slots: int) -> int:
-  """Cache slots a call attends over: the smallest of S/16, S/8, S/4, S/2, S (rounded up to a
-  multiple of 8) that holds `needed`, so XLA compiles a handful of programs per cache size."""
+  """Cache slots a call attends over: the smallest of S/4, S/2, S (rounded up to a multiple of 8)
+  that holds `needed`. Few buckets on purpose: each (batch, prefix, chunk) shape is one more
+  compiled program (seconds each on CPU), and every bucket is met in every batch of episodes."""
   if needed > slots:
     raise ValueError(f"{needed} slots needed but the cache has only {slots}")
-  for i in range(4, 0, -1):
+  for i in range(2, 0, -1):
     size = min(slots, -(-slots // (2 ** i * 8)) * 8)
     if needed <= size:
       return size

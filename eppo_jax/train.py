@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -83,6 +84,13 @@ def make_stepper(config) -> agent.EnvStepper:
   return agent.EnvStepper(t.env_workers, t.step_timeout_s, backend)
 
 
+def model_options(config) -> dict:
+  """The `config.model` fields that set how the model computes (ModelConfig fields)."""
+  m = config.model
+  return dict(remat=m.remat, attention_impl=m.attention_impl,
+              attention_block_q=m.attention_block_q, attention_block_k=m.attention_block_k)
+
+
 def load_model(config, workdir: Path):
   """(ModelConfig, params, tokenizer): the tiny model built locally, or an HF checkpoint."""
   m = config.model
@@ -100,7 +108,7 @@ def load_model(config, workdir: Path):
   else:
     source = m.source
   pre = hf.load_pretrained(source, dtype=jnp.dtype(m.dtype), param_dtype=jnp.dtype(m.param_dtype))
-  model_cfg = pre.config.replace(remat=m.remat)
+  model_cfg = pre.config.replace(**model_options(config))
   params = pre.params
   if m.lora_rank:
     lora_cfg = LoraConfig(rank=m.lora_rank, alpha=m.lora_alpha, targets=tuple(m.lora_targets))
@@ -288,6 +296,14 @@ def _summary(names, success) -> str:
                   for n, s in zip(names, success))
 
 
+def use_compilation_cache(directory: str) -> None:
+  """Keeps compiled XLA programs in `directory` ("" = off), so a rerun, a resumed run or another
+  run of the same shapes loads them instead of compiling again. A cache set before (the
+  JAX_COMPILATION_CACHE_DIR variable, or `jax.config`) is left as it is."""
+  if directory and not jax.config.jax_compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
+
+
 def train(config: ml_collections.ConfigDict, workdir) -> dict:
   """Runs (or resumes) the configured job in `workdir`; returns the last logged record.
 
@@ -296,6 +312,7 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
   parallel.initialize(config.distributed)
   config_check.validate(config)
   workdir_lib.claim(config, workdir, write=jax.process_index() == 0)
+  use_compilation_cache(config.train.compilation_cache)
   with interrupt.StopRequest() as signals:
     return _train(config, Path(workdir), signals)
 

@@ -28,7 +28,8 @@ RUN_INFO_FILE = "run_info.json"
 SAFE_CHANGES = ("train.num_steps", "train.eval_every", "train.eval_instances_per_task",
                 "train.checkpoint_every", "train.checkpoint_keep", "train.log_every",
                 "train.tensorboard", "train.plots", "train.export_hf",
-                "train.allow_config_change", "train.wandb_project", "tasks.env_backend",
+                "train.allow_config_change", "train.wandb_project", "train.compilation_cache",
+                "tasks.env_backend",
                 "tasks.env_workers",
                 "tasks.step_timeout_s", "distributed.", "mesh.")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "transformers", "numpy",
@@ -96,8 +97,11 @@ def claim(config: ml_collections.ConfigDict, workdir, write: bool = True) -> dic
   path = workdir / CONFIG_FILE
   changes = {}
   if path.exists():
-    changes = config_changes(json.loads(path.read_text()), new)
-    unsafe = {k: v for k, v in changes.items() if not is_safe(k)}
+    old = json.loads(path.read_text())
+    changes = config_changes(old, new)
+    # A field the record lacks was added by a newer eppo_jax, not changed by the user.
+    added = set(flatten(new)) - set(flatten(old))
+    unsafe = {k: v for k, v in changes.items() if not is_safe(k) and k not in added}
     if unsafe and not config.train.allow_config_change:
       listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in unsafe.items())
       raise WorkdirConflict(

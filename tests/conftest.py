@@ -1,6 +1,7 @@
 """Shared test setup: 4 virtual CPU devices, an offline hub, and tiny random HF checkpoints."""
 
 import os
+import tempfile
 
 # Before anything imports jax: the data-parallel tests pmap over 4 host devices.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
@@ -8,6 +9,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # Also silences transformers' bars.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# XLA's persistent cache for every run the tests start (in process and in subprocesses), so the
+# trainer's default (~/.cache/eppo_jax/xla) stays untouched; identical programs load from here.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), "eppo_jax_tests_xla"))
 
 import json  # pylint: disable=g-import-not-at-top,wrong-import-position
 from pathlib import Path  # pylint: disable=g-import-not-at-top,wrong-import-position

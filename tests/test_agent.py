@@ -325,11 +325,11 @@ def test_model_policy_compaction_keeps_greedy_replies(pretrained, chat):
   params = meshlib.put(pretrained.params, meshlib.shardings(pretrained.params, mesh))
   cfg = _sampling_cfg(chat, greedy=True)
   d = jax.device_count()
-  n = 3 * d  # 3 rows per device.
+  n = 16 * d  # 16 rows per device: room for two quarterings.
   rng = np.random.default_rng(0)
   vocab = pretrained.config.vocab_size
-  # Live episodes per turn: all, then at most one per device (1 row), then the first two only.
-  actives = [np.ones(n, bool), np.arange(n) % 3 == 1, np.isin(np.arange(n), [1, 4])]
+  # Live episodes per turn: all, then a quarter (4 rows per device), then two (1 row per device).
+  actives = [np.ones(n, bool), np.arange(n) % 4 == 1, np.isin(np.arange(n), [1, 17])]
   policies = {c: ModelPolicy(params, pretrained.config, cfg, 256, jax.random.PRNGKey(0), mesh,
                              compact=c) for c in (False, True)}
   states = {c: None for c in policies}
@@ -346,9 +346,9 @@ def test_model_policy_compaction_keeps_greedy_replies(pretrained, chat):
     np.testing.assert_array_equal(packed_mask, plain_mask)
     np.testing.assert_array_equal(packed[active], plain[active])
     assert plain_mask[active].any(axis=1).all() and not plain_mask[~active].any()
-    # The live rows, in the smallest power of two that is a multiple of the devices.
-    live = 1 << (int(active.sum()) - 1).bit_length()
-    expected_rows = min(expected_rows, -(-live // d) * d)
+    # The live rows, in the smallest quarter of the batch that is a multiple of the devices.
+    while expected_rows % (4 * d) == 0 and expected_rows // 4 >= active.sum():
+      expected_rows //= 4
     assert states[True]["mask"].shape[0] == expected_rows, (turn, states[True]["mask"].shape)
     assert states[False]["mask"].shape[0] == n
   assert expected_rows < n  # The test did compact.

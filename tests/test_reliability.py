@@ -65,6 +65,16 @@ def test_rerun_with_another_config_is_refused_before_writing(tmp_path):
   stored = json.loads((tmp_path / "run" / "config.json").read_text())
   assert stored["method"] == "grpo"
 
+  # A record made before a field existed (a newer eppo_jax added it) resumes; a change of a field
+  # the record has is still refused.
+  del stored["model"]["attention_impl"]
+  (tmp_path / "run" / "config.json").write_text(json.dumps(stored))
+  assert set(workdir.claim(changed, tmp_path / "run")) == {"model.attention_impl"}
+  changed.train.allow_config_change = False
+  changed.model.attention_impl = "dense"
+  with pytest.raises(workdir.WorkdirConflict, match="model.attention_impl: 'blockwise' -> 'dense'"):
+    workdir.claim(changed, tmp_path / "run")
+
 
 # ----------------------------------------------------------------------------------------------
 # Checkpoints.
@@ -105,16 +115,16 @@ def test_run_resumes_from_the_newest_intact_checkpoint(smoke_tiny_dir, compile_c
   """Latest checkpoint damaged: the run redoes the steps since the older one and ends exactly
   where an undisturbed run ends."""
   del compile_cache
-  config = smoke_config(smoke_tiny_dir, **LEAN, **{"train.num_steps": 4, "train.eval_every": 0,
-                                                   "train.checkpoint_every": 2})
+  config = smoke_config(smoke_tiny_dir, **LEAN, **{"train.num_steps": 2, "train.eval_every": 0,
+                                                   "train.checkpoint_every": 1})
   a, b = tmp_path / "a", tmp_path / "b"
   train.train(config, a)
-  assert Checkpointer(a / "checkpoints").all_steps() == [2, 4]
-  _damage(a / "checkpoints" / "4")
+  assert Checkpointer(a / "checkpoints").all_steps() == [1, 2]
+  _damage(a / "checkpoints" / "2")
   with caplog.at_level(logging.WARNING):
     train.train(config, a)
   unreadable = [r for r in caplog.records if "unreadable" in r.getMessage()]
-  assert len(unreadable) == 1 and str(a / "checkpoints" / "4") in unreadable[0].getMessage()
+  assert len(unreadable) == 1 and str(a / "checkpoints" / "2") in unreadable[0].getMessage()
   train.train(config, b)
   like = state_like(config, a)
   assert_trees_equal(Checkpointer(a / "checkpoints").restore(like)[0],

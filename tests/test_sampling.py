@@ -344,9 +344,9 @@ def test_greedy_matches_transformers_generate(tmp_path):
 
 
 def test_prefix_bucket():
-  assert [sampling.prefix_bucket(n, 256) for n in (1, 16, 17, 33, 100, 129, 256)] == [
-      16, 16, 32, 64, 128, 256, 256]
-  assert sampling.prefix_bucket(5, 24) == 8  # Rounded up to a multiple of 8, capped at S.
+  assert [sampling.prefix_bucket(n, 256) for n in (1, 64, 65, 100, 128, 129, 256)] == [
+      64, 64, 128, 128, 128, 256, 256]
+  assert sampling.prefix_bucket(5, 20) == 8  # Rounded up to a multiple of 8, capped at S.
   with pytest.raises(ValueError, match="only 24"):
     sampling.prefix_bucket(25, 24)
 
@@ -367,7 +367,7 @@ def test_rollout_over_the_used_prefix_equals_the_full_cache(params):
                              jax.random.PRNGKey(turn), cfg, prefix=prefix, **kw)
       cache = out.cache
       outs[name].append(out)
-  assert sampling.prefix_bucket(8 + 6, 256) == 16  # The first turn reads 16 of 256 slots.
+  assert sampling.prefix_bucket(8 + 6, 256) == 64  # The first turn reads 64 of 256 slots.
   for bucketed, full in zip(outs["bucketed"], outs["full"]):
     np.testing.assert_array_equal(np.asarray(bucketed.tokens), np.asarray(full.tokens))
     np.testing.assert_array_equal(np.asarray(bucketed.mask), np.asarray(full.mask))

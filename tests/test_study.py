@@ -194,16 +194,16 @@ def _trained(out: str) -> list[str]:
 
 
 def test_driver_end_to_end_resumes_and_reports(compile_cache, tmp_path, capsys):
-  """2 seeds x 2 methods on the smoke preset; rerun trains nothing; a cut run resumes."""
-  argv = ["--root", str(tmp_path), "--preset", "smoke", "--seeds", "0", "1",
+  """1 seed x 2 methods on the smoke preset; rerun trains nothing; a cut run resumes."""
+  argv = ["--root", str(tmp_path), "--preset", "smoke", "--seeds", "1",
           "--methods", "eppo", "grpo"]
   study.main(argv)
   first = capsys.readouterr().out
-  assert len(_trained(first)) == 2 + 4, first
+  assert len(_trained(first)) == 1 + 2, first
   summary = json.loads((tmp_path / "summary.json").read_text())
   tasks = summary["tasks"]
   for method in ("eppo", "grpo"):
-    for seed in (0, 1):
+    for seed in (1,):
       records = [json.loads(line) for line in
                  (tmp_path / f"seed{seed}" / method / "metrics.jsonl").read_text().splitlines()]
       evals = [r for r in records if r.get("eval_success") is not None]
@@ -214,16 +214,16 @@ def test_driver_end_to_end_resumes_and_reports(compile_cache, tmp_path, capsys):
       # Every method starts from its seed's warm start: the same step-0 eval.
       assert m["start_success"] == summary["runs"]["eppo"][str(seed)]["start_success"]
   d = summary["differences"]["eppo"]["worst_task_final"]
-  assert d["n"] == 2 and set(d["per_seed"]) == {"0", "1"}
+  assert d["n"] == 1 and set(d["per_seed"]) == {"1"}
   assert (tmp_path / "curves.png").stat().st_size > 0
   report = (tmp_path / "results.md").read_text()
-  assert "Paired difference eppo − grpo" in report and "| eppo | 2 |" in report
+  assert "Paired difference eppo − grpo" in report and "| eppo | 1 |" in report
 
   # Everything finished: the second call trains nothing and rewrites the same report.
   mtime = (tmp_path / "seed1" / "grpo" / "metrics.jsonl").stat().st_mtime_ns
   study.main(argv)
   second = capsys.readouterr().out
-  assert not _trained(second) and second.count("finished earlier") == 4, second
+  assert not _trained(second) and second.count("finished earlier") == 2, second
   assert (tmp_path / "seed1" / "grpo" / "metrics.jsonl").stat().st_mtime_ns == mtime
   assert json.loads((tmp_path / "summary.json").read_text())["runs"] == summary["runs"]
 

@@ -31,6 +31,10 @@ class LoraConfig:
     return self.alpha / self.rank
 
 
+# Attention kernels (`models/attention.py`); "blockwise" runs on every backend.
+ATTENTION_IMPLS = ("blockwise", "dense", "xla", "cudnn")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Decoder hyper-parameters shared by Llama 3.x, Qwen2/2.5 and Qwen3."""
@@ -71,7 +75,7 @@ class ModelConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
                        f"num_kv_heads={self.num_kv_heads}")
-    impls = ("blockwise", "dense", "xla", "cudnn")
+    impls = ATTENTION_IMPLS
     if self.attention_impl not in impls:
       raise ValueError(f"ModelConfig.attention_impl must be one of {impls}, got "
                        f"{self.attention_impl!r}")
