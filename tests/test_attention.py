@@ -115,3 +115,20 @@ def test_blockwise_memory_does_not_grow_with_t_squared():
 def test_bad_attention_impl_is_refused():
   with pytest.raises(ValueError, match="attention_impl"):
     TINY.replace(attention_impl="flash")
+
+
+def test_decode_steps_take_the_dense_path_and_long_chunks_the_kernel():
+  """Dense exactly when the T x S scores fit one block pair: a decode step over a 4096-slot cache
+  has 4096 scores per head (dense, no loop), a 1024-token chunk 4M (blockwise, a scan)."""
+  spec = jax.ShapeDtypeStruct
+
+  def uses_scan(t, s):
+    args = (spec((2, t, 2, 2, 16), jnp.float32), spec((2, 2, s, 16), jnp.float32),
+            spec((2, 2, s, 16), jnp.float32), spec((2, s), jnp.bool_))
+    jaxpr = jax.make_jaxpr(lambda q, k, v, valid: attention.attend(
+        q, [KeySource(k, v, valid, False)], impl="blockwise", block_q=512, block_k=512,
+        dtype=jnp.float32))(*args)
+    return "scan" in str(jaxpr)
+
+  assert not uses_scan(1, 4096) and not uses_scan(64, 4096)
+  assert uses_scan(1024, 4096) and uses_scan(65, 4096)

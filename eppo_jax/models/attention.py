@@ -237,8 +237,8 @@ _causal_blockwise.defvjp(_causal_blockwise_fwd, _causal_blockwise_bwd)
 def attend(q_BxTxKxGxH, sources, *, impl: str, block_q: int, block_k: int, dtype):
   """Attention of T queries over the key sources -> [B,T,K,G,H] in `dtype`.
 
-  `impl` "blockwise" falls back to the dense path, statically, when the queries and every source
-  fit in one block (short sequences, decode steps). "xla" / "cudnn" call
+  `impl` "blockwise" falls back to the dense path, statically, when the T x S scores are no more
+  than one block pair's (short sequences, decode steps). "xla" / "cudnn" call
   `jax.nn.dot_product_attention` for the uncached causal case (one causal source, T == S) and use
   the blockwise kernel otherwise.
   """
@@ -249,7 +249,10 @@ def attend(q_BxTxKxGxH, sources, *, impl: str, block_q: int, block_k: int, dtype
                     and sources[0].k_BxKxSxH.shape[2] == t)
   if impl in ("xla", "cudnn") and self_attention:
     return _fused(q_BxTxKxGxH, sources[0], impl, dtype)
-  small = t <= block_q and all(src.k_BxKxSxH.shape[2] <= block_k for src in sources)
+  # Scores no larger than one block pair's: the dense path needs no more memory than the kernel,
+  # and decode steps (a few queries over a long cache) avoid the kernel's loop over key blocks,
+  # which is many times slower there.
+  small = t * sum(src.k_BxKxSxH.shape[2] for src in sources) <= block_q * block_k
   if impl == "dense" or small:
     return dense_attention(q_BxTxKxGxH, sources, dtype)
   if self_attention:
