@@ -132,3 +132,19 @@ def test_decode_steps_take_the_dense_path_and_long_chunks_the_kernel():
 
   assert not uses_scan(1, 4096) and not uses_scan(64, 4096)
   assert uses_scan(1024, 4096) and uses_scan(65, 4096)
+
+
+def test_a_chunk_shorter_than_a_block_is_not_padded_to_one():
+  """A 64-token chunk over an 8192-slot cache (blockwise: 64 x 8192 scores > one block pair) uses
+  64-query blocks: its temporaries are a fraction of a 512-token chunk's, not the same."""
+  spec = jax.ShapeDtypeStruct
+
+  def temporaries(t):
+    args = (spec((8, t, 2, 2, 16), jnp.float32), spec((8, 2, 8192, 16), jnp.float32),
+            spec((8, 2, 8192, 16), jnp.float32), spec((8, 8192), jnp.bool_))
+    fn = jax.jit(lambda q, k, v, valid: attention.attend(
+        q, [KeySource(k, v, valid, False)], impl="blockwise", block_q=512, block_k=512,
+        dtype=jnp.float32))
+    return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+  assert 4 * temporaries(64) < temporaries(512)

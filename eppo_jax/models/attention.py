@@ -255,6 +255,8 @@ def attend(q_BxTxKxGxH, sources, *, impl: str, block_q: int, block_k: int, dtype
   small = t * sum(src.k_BxKxSxH.shape[2] for src in sources) <= block_q * block_k
   if impl == "dense" or small:
     return dense_attention(q_BxTxKxGxH, sources, dtype)
+  # A chunk shorter than a block would be padded to a whole block of queries: shrink the block.
+  block_q = min(block_q, -(-t // 8) * 8)
   if self_attention:
     src = sources[0]
     return _causal_blockwise(q_BxTxKxGxH, src.k_BxKxSxH, src.v_BxKxSxH, src.valid_BxS, block_q,
