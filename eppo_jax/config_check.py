@@ -47,6 +47,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.tiny_vocab_size": (_at_least(64), ">= 64"),
     "model.lora_rank": (_at_least(0), ">= 0"),
     "model.attention_block_q": (_at_least(1), ">= 1"),
+    "rollout.prefill_chunk": (_at_least(0), ">= 0 (0 = a turn's whole chunk at once)"),
     "model.attention_block_k": (_at_least(1), ">= 1"),
     "model.lora_alpha": (_positive, "> 0"),
     "tasks.env_workers": (_at_least(0), ">= 0"),

@@ -67,7 +67,7 @@ config_flags.DEFINE_config_file("config", "configs/multitask.py", "Training conf
 flags.DEFINE_string("topology", "", "TPU topology (v5e:4x4, v5p:2x2x2, ...) or cpu:N; default: "
                     "the preset's config.mesh.slice.")
 flags.DEFINE_integer("prompt_tokens", 512, "Chunk length of the rollout turn compiled (the first "
-                     "turn's prompt, left-padded to a bucket).")
+                     "turn's prompt, left-padded to a bucket; at most rollout.prefill_chunk).")
 flags.DEFINE_float("hbm_gib", 0.0, "Memory per device to check against; 0 = the chip's HBM.")
 flags.DEFINE_list("programs", ["train", "rollout"], "Which programs to compile.")
 flags.DEFINE_string("json", "", "Also write the results to this JSON file.")
@@ -224,6 +224,8 @@ def compile_rollout(config, model_cfg, mesh, prompt_tokens: int) -> Fit:
   cache = jax.eval_shape(lambda: init_cache(model_cfg, b, s))
   cache = _abstract(cache, meshlib.cache_shardings(mesh, model_cfg.num_kv_heads))
   p = min(prompt_tokens, s - r.max_new_tokens)  # A first turn: the cache has room for its reply.
+  if r.prefill_chunk:  # Wider chunks reach the turn in pieces of at most this many tokens.
+    p = min(p, r.prefill_chunk)
   tokens = jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=rows)
   mask = jax.ShapeDtypeStruct((b, p), bool, sharding=rows)
   key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=meshlib.replicated(mesh))

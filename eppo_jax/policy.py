@@ -11,13 +11,28 @@ import numpy as np
 from eppo_jax import mesh as meshlib
 from eppo_jax import parallel
 from eppo_jax.models.config import ModelConfig
-from eppo_jax.models.transformer import init_cache
+from eppo_jax.models.transformer import forward_with_cache, init_cache
 from eppo_jax.sampling import SamplingConfig, prefix_bucket, rollout
 
 
 def _turn(params, tokens, mask, rng, cache, *, config, sampling, prefix):
   out = rollout(params, config, tokens, mask, rng, sampling, cache=cache, prefix=prefix)
   return out.tokens, out.mask, out.cache, (out.logprobs, out.entropies)
+
+
+def _prefill(params, tokens, mask, cache, *, config, prefix):
+  """Writes a chunk into the cache without sampling (the head runs at its last column only)."""
+  return forward_with_cache(params, config, tokens, mask, cache, prefix, head="last")[1]
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_prefill(config: ModelConfig, mesh: jax.sharding.Mesh, prefix: int):
+  """`_prefill` jitted on `mesh`, shardings as `compiled_turn`'s; the cache is donated."""
+  cache_sh = meshlib.cache_shardings(mesh, config.num_kv_heads)
+  rows = meshlib.batch_sharding(mesh)
+  return jax.jit(functools.partial(_prefill, config=config, prefix=prefix),
+                 in_shardings=(None, rows, rows, cache_sh), out_shardings=cache_sh,
+                 donate_argnums=(3,))
 
 
 def _take_rows(cache, rows_R):
@@ -68,15 +83,22 @@ class ModelPolicy:
   run on live rows only.
   Greedy episodes are unchanged by compaction; sampled ones draw from other random streams (a
   row's draw depends on its position in the batch), with the same distribution.
+
+  `prefill_chunk` > 0 caps the tokens one call prefills: a wider turn chunk first writes its
+  leading columns into the cache in calls of at most that many, then samples after the rest.
+  The prefill's activations (rows x chunk x MLP width) then stay within the cap; the replies are
+  the same up to float rounding.
   """
 
   def __init__(self, params, config: ModelConfig, sampling: SamplingConfig, max_slots: int,
-               rng: jax.Array, mesh: Optional[jax.sharding.Mesh] = None, compact: bool = True):
+               rng: jax.Array, mesh: Optional[jax.sharding.Mesh] = None, compact: bool = True,
+               prefill_chunk: int = 0):
     self._mesh = mesh or meshlib.make_mesh(meshlib.DATA_ONLY)
     self._params = params
     self._config, self._sampling, self._max_slots = config, sampling, max_slots
     self._rng = rng
     self._compact = compact and jax.process_count() == 1  # Hosts would have to agree on sizes.
+    self._prefill_chunk = prefill_chunk
     self._turn = 0
     self._shards = max(1, meshlib.batch_shards(self._mesh) // jax.process_count())
     self._rows_R = None  # Episode row (of this host) held by each cache row; -1 for an empty row.
@@ -125,8 +147,16 @@ class ModelPolicy:
                                 len(rows_R) * jax.process_count(), self._max_slots, prefix)
     key = jax.random.fold_in(self._rng, self._turn)
     tokens, mask = meshlib.put_rows((tokens_RxC, mask_RxC), self._mesh)
+    # Leading columns beyond the prefill cap go in first, in pieces of at most the cap (static
+    # widths: the cap, then what remains); the turn samples after the last `last` columns.
+    last = width if not self._prefill_chunk else (width - 1) % self._prefill_chunk + 1
     with jax.set_mesh(self._mesh):  # Traced with the mesh in context: see `mesh.constrain_rows`.
       cache = empty() if cache is None else cache
+      prefill = compiled_prefill(self._config, self._mesh, prefix)
+      for start in range(0, width - last, self._prefill_chunk or 1):
+        end = start + self._prefill_chunk
+        cache = prefill(self._params, tokens[:, start:end], mask[:, start:end], cache)
+      tokens, mask = tokens[:, width - last:], mask[:, width - last:]
       reply, reply_mask, cache, scores = turn(self._params, tokens, mask, key, cache)
     self._turn += 1
     self._used += width + n

@@ -163,7 +163,8 @@ class Run:
         greedy=greedy, stop_token_ids=self.chat.stop_token_ids,
         pad_id=self.tokenizer.pad_token_id)
     params = lora.combine(trainable, self.frozen)  # Dict surgery on device arrays: no copy.
-    return ModelPolicy(params, self.model, sampling, r.max_episode_tokens, rng, self.mesh)
+    return ModelPolicy(params, self.model, sampling, r.max_episode_tokens, rng, self.mesh,
+                       prefill_chunk=r.prefill_chunk)
 
   def play(self, policy, instances, group_size: int) -> agent.EpisodeBatch:
     r = self.config.rollout

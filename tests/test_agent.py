@@ -352,3 +352,34 @@ def test_model_policy_compaction_keeps_greedy_replies(pretrained, chat):
     assert states[True]["mask"].shape[0] == expected_rows, (turn, states[True]["mask"].shape)
     assert states[False]["mask"].shape[0] == n
   assert expected_rows < n  # The test did compact.
+
+
+def test_model_policy_prefill_in_pieces_equals_one_prefill(pretrained, chat):
+  """prefill_chunk=8 on 32-token chunks (3 pieces of 8, then the turn on the last 8): the same
+  greedy replies, log-probs and cache as prefilling each chunk in one call."""
+  mesh = meshlib.make_mesh(meshlib.DATA_ONLY)
+  params = meshlib.put(pretrained.params, meshlib.shardings(pretrained.params, mesh))
+  cfg = _sampling_cfg(chat, greedy=True)
+  n = jax.device_count()
+  rng = np.random.default_rng(1)
+  vocab = pretrained.config.vocab_size
+  policies = {c: ModelPolicy(params, pretrained.config, cfg, 256, jax.random.PRNGKey(0), mesh,
+                             prefill_chunk=c) for c in (0, 8)}
+  states = {c: None for c in policies}
+  for _ in range(2):
+    chunk, mask = sampling.left_pad(
+        [list(rng.integers(5, vocab, k)) for k in rng.integers(9, 30, n)], [32], 0)
+    out = {c: policy(chunk, mask, states[c], np.ones(n, bool)) for c, policy in policies.items()}
+    (whole, whole_mask, states[0], whole_scores), (split, split_mask, states[8], split_scores) = (
+        out[0], out[8])
+    np.testing.assert_array_equal(split, whole)
+    np.testing.assert_array_equal(split_mask, whole_mask)
+    assert whole_mask.any()
+    np.testing.assert_allclose(split_scores[0], whole_scores[0], atol=1e-5)
+  for key in ("mask", "pos", "index"):
+    np.testing.assert_array_equal(np.asarray(states[8][key]), np.asarray(states[0][key]))
+  # Keys and values of the written slots; pad slots are never attended and may hold anything.
+  written_BxS = np.asarray(states[0]["mask"])
+  for key in ("k", "v"):  # [L, B, K, S, H]
+    split, whole = (np.asarray(states[c][key]).transpose(1, 3, 0, 2, 4) for c in (8, 0))
+    np.testing.assert_allclose(split[written_BxS], whole[written_BxS], atol=1e-5)
