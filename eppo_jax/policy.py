@@ -152,11 +152,12 @@ class ModelPolicy:
     last = width if not self._prefill_chunk else (width - 1) % self._prefill_chunk + 1
     with jax.set_mesh(self._mesh):  # Traced with the mesh in context: see `mesh.constrain_rows`.
       cache = empty() if cache is None else cache
-      prefill = compiled_prefill(self._config, self._mesh, prefix)
-      for start in range(0, width - last, self._prefill_chunk or 1):
-        end = start + self._prefill_chunk
-        cache = prefill(self._params, tokens[:, start:end], mask[:, start:end], cache)
-      tokens, mask = tokens[:, width - last:], mask[:, width - last:]
+      if last < width:
+        prefill = compiled_prefill(self._config, self._mesh, prefix)
+        for start in range(0, width - last, self._prefill_chunk):
+          end = start + self._prefill_chunk
+          cache = prefill(self._params, tokens[:, start:end], mask[:, start:end], cache)
+        tokens, mask = tokens[:, width - last:], mask[:, width - last:]
       reply, reply_mask, cache, scores = turn(self._params, tokens, mask, key, cache)
     self._turn += 1
     self._used += width + n
