@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from configs import multitask  # pylint: disable=g-import-not-at-top,wrong-import-position
+from eppo_jax import workdir as workdir_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 import study_report  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 METHODS = ("eppo", "grpo", "dapo", "clip_cov")
@@ -149,20 +150,13 @@ def check_protocol(root: Path, config) -> None:
   mine = protocol(config)
   if path.exists():
     theirs = json.loads(path.read_text())
-    if theirs != mine:
-      diff = sorted(_diff_keys(theirs, mine))
+    diff = sorted(workdir_lib.recorded_changes(theirs, mine))
+    if diff:
       raise SystemExit(f"{root} holds runs of another configuration (differs in {', '.join(diff)})"
                        "; use another --root")
   else:
     root.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(mine, indent=1, sort_keys=True))
-
-
-def _diff_keys(a, b, prefix: str = "") -> list[str]:
-  if isinstance(a, dict) and isinstance(b, dict):
-    return [k for key in sorted(set(a) | set(b))
-            for k in _diff_keys(a.get(key), b.get(key), f"{prefix}{key}.")]
-  return [] if a == b else [prefix.rstrip(".")]
 
 
 def parse_variant(text: str) -> dict:

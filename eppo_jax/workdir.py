@@ -57,6 +57,13 @@ def config_changes(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
   return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 
+def recorded_changes(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
+  """`config_changes` of the fields the old record has: a field it lacks was added by a newer
+  eppo_jax, not changed by the user."""
+  recorded = set(flatten(old))
+  return {k: v for k, v in config_changes(old, new).items() if k in recorded}
+
+
 def is_safe(field: str) -> bool:
   return any(field == s or (s.endswith(".") and field.startswith(s)) for s in SAFE_CHANGES)
 
@@ -99,9 +106,7 @@ def claim(config: ml_collections.ConfigDict, workdir, write: bool = True) -> dic
   if path.exists():
     old = json.loads(path.read_text())
     changes = config_changes(old, new)
-    # A field the record lacks was added by a newer eppo_jax, not changed by the user.
-    added = set(flatten(new)) - set(flatten(old))
-    unsafe = {k: v for k, v in changes.items() if not is_safe(k) and k not in added}
+    unsafe = {k: v for k, v in recorded_changes(old, new).items() if not is_safe(k)}
     if unsafe and not config.train.allow_config_change:
       listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in unsafe.items())
       raise WorkdirConflict(

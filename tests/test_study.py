@@ -186,6 +186,11 @@ def test_protocol_check_refuses_a_root_of_another_configuration(tmp_path):
   study.check_protocol(tmp_path, study.base_config("smoke", []))  # Same: accepted.
   with pytest.raises(SystemExit, match="train.num_steps"):
     study.check_protocol(tmp_path, study.base_config("smoke", [("train.num_steps", "9")]))
+  # A root recorded before a config field existed is the same protocol.
+  recorded = json.loads((tmp_path / "protocol.json").read_text())
+  del recorded["rollout"]["prefill_chunk"]
+  (tmp_path / "protocol.json").write_text(json.dumps(recorded))
+  study.check_protocol(tmp_path, study.base_config("smoke", []))
 
 
 def _trained(out: str) -> list[str]:
