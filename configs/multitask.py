@@ -141,7 +141,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.max_bad_steps = 3  # Consecutive non-finite steps before the run stops.
   # XLA's persistent compilation cache ("" = off): a rerun, a resumed run or another run with the
   # same shapes loads its programs instead of compiling them (seconds each on CPU, minutes for
-  # big models). Any path jax accepts, gs:// included; JAX_COMPILATION_CACHE_DIR takes precedence.
+  # big models). JAX_COMPILATION_CACHE_DIR, when set, takes precedence.
   c.train.compilation_cache = "~/.cache/eppo_jax/xla"
   c.train.export_hf = True  # Write the final policy as an HF directory (LoRA merged).
   c.train.tensorboard = True
