@@ -239,9 +239,9 @@ def check(config, topology: str, prompt_tokens: int = 512, hbm_gib: float = 0.0,
   from eppo_jax import mesh as meshlib  # pylint: disable=g-import-not-at-top
   devices = topology_devices(topology)
   mesh = meshlib.make_mesh(config.mesh, devices)
-  # The decode loop's layout follows the platform it runs on (`ModelConfig.unroll_decode`), which
+  # The layer loop's layout follows the platform it runs on (`ModelConfig.unroll_layers`), which
   # is the topology's, not this process's backend.
-  model_cfg = model_config(config).replace(unroll_decode=devices[0].platform == "cpu")
+  model_cfg = model_config(config).replace(unroll_layers=devices[0].platform == "cpu")
   fits = []
   if "train" in programs:
     fits.append(compile_train(config, model_cfg, mesh))

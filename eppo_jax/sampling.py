@@ -24,7 +24,7 @@ Static shapes. Left-pad prompts to a few bucket lengths (`left_pad`, `bucket`) a
 Cost. A call attends over a static prefix of the cache that covers the slots written before it
 plus its own P + N (`prefix_bucket`: one of five sizes per cache), so the first turn of a long
 episode does not pay for the whole episode's cache. On CPU the decode steps run the layers over
-weights split once per call (`ModelConfig.unroll_decode`), so no step copies a layer's weights.
+weights split once per call (`ModelConfig.unroll_layers`), so no step copies a layer's weights.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import numpy as np
 
 from eppo_jax import logprobs
 from eppo_jax.models.config import ModelConfig
-from eppo_jax.models.transformer import (Cache, forward_with_cache, init_cache, unstack_layers,
-                                         write_chunk)
+from eppo_jax.models.transformer import (Cache, forward_with_cache, init_cache, unrolls_layers,
+                                         unstack_layers, write_chunk)
 
 Params = Any
 
@@ -237,8 +237,7 @@ def _rollout(params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP, rn
 
   # Left padding puts every row's last valid token in the last column: only its logits are needed.
   last_logits_Bx1xV, cache = forward(prompt_tokens_BxP, prompt_mask_BxP, cache, head="last")
-  unroll = config.unroll_decode
-  unroll = unroll if unroll is not None else jax.default_backend() == "cpu"
+  unroll = unrolls_layers(config)
   if unroll:
     # Split the stacked layer weights once, outside the loop, so decode steps read them in place.
     # Each step's keys are then written at the start of the next step (see `forward_with_cache`);

@@ -245,3 +245,30 @@ def test_sampler_old_logprobs_enter_the_update():
   _, metrics = jax.jit(functools.partial(steps.train_step, cfg=small, tx=tx))(state, {}, batch, rng)
   counts = np.asarray(mask).sum(1)
   assert int(metrics["loss_tokens_over_budget"]) == int(np.maximum(counts - 5, 0).sum()) > 0
+
+
+def test_layers_scanned_or_unrolled_give_the_same_scores_and_gradients():
+  """`unroll_layers` changes how the layers run (scan vs Python loop), not what they compute: the
+  log-probs and the gradient with respect to the stacked weights agree, and the unrolled program
+  has fewer loops (the layer scan and its transpose are gone)."""
+  batch = _batch(4)
+  tokens, mask = jnp.asarray(batch["tokens"]), jnp.asarray(batch["attention_mask"])
+  model = dataclasses.replace(MODEL, num_layers=3)
+  params = transformer.init_params(model, jax.random.PRNGKey(1))
+
+  def loss(p, unroll):
+    logp_BxT, ent_BxT = steps.sequence_logprobs(p, model.replace(unroll_layers=unroll), tokens,
+                                                mask, 0.9)
+    return jnp.sum(logp_BxT * mask[:, 1:]) + jnp.sum(ent_BxT * mask[:, 1:]), logp_BxT
+
+  grads, logps, loops = {}, {}, {}
+  for unroll in (False, True):
+    fn = jax.value_and_grad(functools.partial(loss, unroll=unroll), has_aux=True)
+    loops[unroll] = str(jax.make_jaxpr(fn)(params)).count(" scan[")
+    (_, logps[unroll]), grads[unroll] = jax.jit(fn)(params)
+  assert loops[True] < loops[False]
+  np.testing.assert_allclose(logps[True], logps[False], atol=1e-5, rtol=0)
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(grads[True]),
+                          jax.tree_util.tree_leaves(grads[False])):
+    assert x.shape == y.shape
+    np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5, err_msg=jax.tree_util.keystr(path))

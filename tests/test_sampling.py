@@ -381,7 +381,7 @@ def test_rollout_over_the_used_prefix_equals_the_full_cache(params):
 @pytest.mark.parametrize("unroll", [False, True])
 def test_decode_layer_loop_rolled_or_unrolled_equals_uncached(params, unroll):
   """Both decode layer loops (scan over stacked weights / unrolled over split ones) match."""
-  config = TINY.replace(unroll_decode=unroll)
+  config = TINY.replace(unroll_layers=unroll)
   rng = np.random.default_rng(15)
   prompt, mask = sampling.left_pad(_ragged_prompts(rng, [3, 7]), (8,), 0)
   cfg = SamplingConfig(max_new_tokens=5, temperature=0.8)

@@ -280,10 +280,18 @@ def positions_from_mask(mask_BxT, start_B=None):
   return jnp.maximum(pos, 0)
 
 
+def unrolls_layers(config: ModelConfig) -> bool:
+  """Whether calls run the layers unrolled over split weights (`ModelConfig.unroll_layers`)."""
+  unroll = config.unroll_layers
+  return unroll if unroll is not None else jax.default_backend() == "cpu"
+
+
 def logits(params: Params, config: ModelConfig, tokens_BxT, attention_mask_BxT,
            head: str = "logits") -> jax.Array:
   """Full causal forward without cache -> float32 logits [B,T,V]; works on left or right padding."""
   valid_BxT = attention_mask_BxT.astype(bool)
+  if unrolls_layers(config) and not isinstance(params["params"]["layers"], tuple):
+    params = unstack_layers(params)  # Gradients flow back to the stacked weights.
   out, _ = Transformer(config).apply(params, tokens_BxT, positions_from_mask(valid_BxT), valid_BxT,
                                      head=head)
   return out
