@@ -150,7 +150,10 @@ def check_protocol(root: Path, config) -> None:
   mine = protocol(config)
   if path.exists():
     theirs = json.loads(path.read_text())
-    diff = sorted(workdir_lib.recorded_changes(theirs, mine))
+    # A root accepts what changes only the layout of the same computation (mesh, attention
+    # blocks): rounding, not protocol.
+    diff = sorted(k for k in workdir_lib.recorded_changes(theirs, mine)
+                  if not workdir_lib.is_safe(k, workdir_lib.LAYOUT_FIELDS))
     if diff:
       raise SystemExit(f"{root} holds runs of another configuration (differs in {', '.join(diff)})"
                        "; use another --root")

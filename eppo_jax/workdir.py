@@ -3,9 +3,9 @@
 `claim(config, workdir)` runs before anything is written. A fresh workdir gets `config.json` (the
 full config) and `run_info.json` (package versions, Python, platform, devices, start time). A rerun
 with the same config resumes; a rerun whose config differs only in fields of `SAFE_CHANGES` (how
-long to train, how often to log or save, how environments are stepped) resumes with the new
-values; any other change is refused with the changed fields listed, unless
-`config.train.allow_config_change` is True.
+long to train, how often to log or save, how environments are stepped, how the same model is laid
+out and computed: mesh, remat, attention kernel) resumes with the new values; any other change is
+refused with the changed fields listed, unless `config.train.allow_config_change` is True.
 """
 
 from __future__ import annotations
@@ -23,15 +23,17 @@ import ml_collections
 
 CONFIG_FILE = "config.json"
 RUN_INFO_FILE = "run_info.json"
+# Fields that change how the same computation is laid out and run, not what it computes (results
+# differ by rounding at most). A prefix ending in "." covers a whole section.
+LAYOUT_FIELDS = ("distributed.", "mesh.", "model.remat", "model.attention_impl",
+                 "model.attention_block_q", "model.attention_block_k", "train.compilation_cache")
 # Fields that a resumed run may change without the override: they do not change what the steps
-# already taken mean. A prefix ending in "." covers a whole section.
+# already taken mean.
 SAFE_CHANGES = ("train.num_steps", "train.eval_every", "train.eval_instances_per_task",
                 "train.checkpoint_every", "train.checkpoint_keep", "train.log_every",
                 "train.tensorboard", "train.plots", "train.export_hf",
-                "train.allow_config_change", "train.wandb_project", "train.compilation_cache",
-                "tasks.env_backend",
-                "tasks.env_workers",
-                "tasks.step_timeout_s", "distributed.", "mesh.")
+                "train.allow_config_change", "train.wandb_project", "tasks.env_backend",
+                "tasks.env_workers", "tasks.step_timeout_s") + LAYOUT_FIELDS
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "transformers", "numpy",
             "ml_collections")
 
@@ -64,8 +66,8 @@ def recorded_changes(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
   return {k: v for k, v in config_changes(old, new).items() if k in recorded}
 
 
-def is_safe(field: str) -> bool:
-  return any(field == s or (s.endswith(".") and field.startswith(s)) for s in SAFE_CHANGES)
+def is_safe(field: str, allowed=SAFE_CHANGES) -> bool:
+  return any(field == s or (s.endswith(".") and field.startswith(s)) for s in allowed)
 
 
 def _versions() -> dict[str, str | None]:

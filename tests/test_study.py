@@ -191,6 +191,8 @@ def test_protocol_check_refuses_a_root_of_another_configuration(tmp_path):
   del recorded["rollout"]["prefill_chunk"]
   (tmp_path / "protocol.json").write_text(json.dumps(recorded))
   study.check_protocol(tmp_path, study.base_config("smoke", []))
+  # How the same model is computed is not protocol.
+  study.check_protocol(tmp_path, study.base_config("smoke", [("model.attention_block_q", "512")]))
 
 
 def _trained(out: str) -> list[str]:
