@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -30,6 +31,15 @@ MODELS = {
     "100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
                  num_heads=12, num_kv_heads=4, head_dim=64, tie_word_embeddings=False),
 }
+
+
+def tiny_model_options() -> dict:
+  """ModelConfig fields as the trainer sets them for the tiny preset (its attention blocks, which
+  are chosen for CPU): the benchmarks run the model the default job runs."""
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+  from configs import multitask  # pylint: disable=g-import-not-at-top
+  from eppo_jax import train  # pylint: disable=g-import-not-at-top
+  return train.model_options(multitask.get_config("tiny"))
 
 
 def use_cores(n: int) -> int:

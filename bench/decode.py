@@ -116,12 +116,13 @@ def jax_worker(args) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import eppo_jax  # pylint: disable=g-import-not-at-top
   pre = eppo_jax.load_pretrained(args.model_dir, with_tokenizer=False)
+  model = pre.config.replace(**common.tiny_model_options())
   out = dict(platform=jax.devices()[0].platform, jax=jax.__version__,
-             weight_bytes=decode_weight_bytes(pre.params, pre.config),
-             num_params=pre.config.num_params(), dtype=str(pre.config.dtype))
-  prompts = make_prompts(pre.config.vocab_size, args.batch_sizes, args.prompt_len)
+             weight_bytes=decode_weight_bytes(pre.params, model),
+             num_params=model.num_params(), dtype=str(model.dtype))
+  prompts = make_prompts(model.vocab_size, args.batch_sizes, args.prompt_len)
   for b, prompt_BxP in prompts.items():
-    compile_s, prefill_s, total_s = time_jax(pre.params, pre.config, prompt_BxP, args.new_tokens)
+    compile_s, prefill_s, total_s = time_jax(pre.params, model, prompt_BxP, args.new_tokens)
     out[str(b)] = dict(total_s=total_s, compile_s=compile_s, prefill_s=prefill_s)
   return out
 

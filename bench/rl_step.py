@@ -124,6 +124,7 @@ class OurStep:
     self.jax, self.parallel, self.sampling, self.args = jax, parallel, sampling, args
     pre = eppo_jax.load_pretrained(model_dir)
     self.tokenizer = pre.tokenizer
+    model = pre.config.replace(**common.tiny_model_options())
     trainable, frozen = lora.partition(pre.params,
                                        lora.trainable_mask(pre.params, full_finetune=True))
     samp = sampling.SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0,
@@ -138,11 +139,11 @@ class OurStep:
 
     def sample(trainable, frozen, tokens, mask, rng):
       # Only what the update reads leaves the device; XLA drops the unused outputs (KV cache).
-      out = sampling.rollout(lora.combine(trainable, frozen), pre.config, tokens, mask, rng, samp)
+      out = sampling.rollout(lora.combine(trainable, frozen), model, tokens, mask, rng, samp)
       return (out.tokens, out.mask) + ((out.logprobs, out.entropies) if from_sampler else ())
 
     pacing_cfg, loss_cfg = objective.method_configs("grpo")  # Fixed clip 0.2, as TRL's epsilon.
-    cfg = steps.StepConfig(model=pre.config, pacing=pacing_cfg, loss=loss_cfg, num_tasks=1,
+    cfg = steps.StepConfig(model=model, pacing=pacing_cfg, loss=loss_cfg, num_tasks=1,
                            num_groups=args.prompts, temperature=1.0,
                            num_minibatches=args.minibatches, **extra)
     tx = make_optimizer(LR, 0, 0.0, 1.0)
