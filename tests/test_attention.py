@@ -148,3 +148,15 @@ def test_a_chunk_shorter_than_a_block_is_not_padded_to_one():
     return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
   assert 4 * temporaries(64) < temporaries(512)
+
+
+def test_blocks_are_evened_out_over_the_sequence():
+  """As many blocks as the configured size needs, each a multiple of 8 and no larger, with less
+  than 8 padding positions per block (72 tokens at block 64: two blocks of 40, not of 64)."""
+  for block in (8, 64, 512):
+    for length in range(1, 1100):
+      size = attention._balanced_block(block, length)
+      count = -(-length // size)
+      assert size % 8 == 0 and size <= max(block, 8), (block, length, size)
+      assert count == -(-length // block), (block, length, size)
+      assert count * size - length < 8 * count, (block, length, size)

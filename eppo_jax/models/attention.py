@@ -234,6 +234,14 @@ _causal_blockwise.defvjp(_causal_blockwise_fwd, _causal_blockwise_bwd)
 # ----------------------------------------------------------------------------------------------
 
 
+def _balanced_block(block: int, length: int) -> int:
+  """The block size for `length` positions: as many blocks as `block` needs, evened out and rounded
+  up to a multiple of 8, so the padding is under 8 per block (72 positions with blocks of 64: two
+  of 40, not two of 64)."""
+  count = -(-length // block)
+  return min(block, -(-length // (count * 8)) * 8)
+
+
 def attend(q_BxTxKxGxH, sources, *, impl: str, block_q: int, block_k: int, dtype):
   """Attention of T queries over the key sources -> [B,T,K,G,H] in `dtype`.
 
@@ -255,9 +263,9 @@ def attend(q_BxTxKxGxH, sources, *, impl: str, block_q: int, block_k: int, dtype
   small = t * sum(src.k_BxKxSxH.shape[2] for src in sources) <= block_q * block_k
   if impl == "dense" or small:
     return dense_attention(q_BxTxKxGxH, sources, dtype)
-  # A chunk shorter than a block would be padded to a whole block of queries: shrink the block.
-  block_q = min(block_q, -(-t // 8) * 8)
+  block_q = _balanced_block(block_q, t)
   if self_attention:
+    block_k = _balanced_block(block_k, t)
     src = sources[0]
     return _causal_blockwise(q_BxTxKxGxH, src.k_BxKxSxH, src.v_BxKxSxH, src.valid_BxS, block_q,
                              block_k, jnp.dtype(dtype))
