@@ -111,12 +111,16 @@ def write_report(root: Path, config, baseline: str, command: tuple[str, str]) ->
   seeds = sorted({s for per_seed in done.values() for s in per_seed})
   methods = [n for n in names if n in KNOWN_METHODS]
   variants = [n for n in names if n not in KNOWN_METHODS]
+  if seeds:
+    origin = (f"Every finished run below is reproduced by `{command[0]} --seeds "
+              f"{' '.join(map(str, seeds))} --methods {' '.join(methods)}`"
+              + (f" (and `--variant` for {', '.join(variants)})" if variants else "")
+              + "; one process per seed with `--seeds S`.")
+  else:
+    origin = f"No run has finished yet; the driver is `{command[0]}`."
   lines = ["# Study report", "",
-           f"Every finished run below is reproduced by `{command[0]} --seeds "
-           f"{' '.join(map(str, seeds))} --methods {' '.join(methods)}`"
-           + (f" (and `--variant` for {', '.join(variants)})" if variants else "")
-           + "; one process per seed with `--seeds S`. The same command with `--report-only` "
-           f"rewrites this report. Last written by `{command[1]}`.", "",
+           origin + " The same command with `--report-only` rewrites this report. Last written "
+           f"by `{command[1]}`.", "",
            f"Tasks {', '.join(tasks)}; {t.num_steps} RL steps; eval on "
            f"{t.eval_instances_per_task} held-out instances per task (greedy) every "
            f"{t.eval_every or t.num_steps} steps and at step 0. Numbers are mean ± std over the "

@@ -15,6 +15,7 @@ from pipeline_util import ROOT, compile_cache  # pylint: disable=unused-import
 sys.path.insert(0, str(ROOT / "bench"))
 
 import study  # pylint: disable=g-import-not-at-top,wrong-import-position
+import study_report  # pylint: disable=g-import-not-at-top,wrong-import-position
 import study_stats as stats  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 TASKS = ("a", "b", "c")
@@ -193,6 +194,14 @@ def test_protocol_check_refuses_a_root_of_another_configuration(tmp_path):
   study.check_protocol(tmp_path, study.base_config("smoke", []))
   # How the same model is computed is not protocol.
   study.check_protocol(tmp_path, study.base_config("smoke", [("model.attention_block_q", "512")]))
+
+
+def test_report_of_a_root_without_finished_runs_names_no_seeds(tmp_path):
+  config = study.base_config("smoke", [])
+  study_report.write_report(tmp_path, config, "grpo", ("python bench/study.py", "the command"))
+  text = (tmp_path / "results.md").read_text()
+  assert "No run has finished yet; the driver is `python bench/study.py`." in text
+  assert "--seeds  " not in text and "No finished run yet." in text
 
 
 def _trained(out: str) -> list[str]:
