@@ -267,13 +267,12 @@ def unstack_layers(params: Params) -> Params:
   inner = dict(params["params"])
   stacked = inner["layers"]
   num_layers = jax.tree_util.tree_leaves(stacked)[0].shape[0]
+  leaves, treedef = jax.tree_util.tree_flatten(stacked)
   # One split per leaf, not L index slices: differentiated, a split becomes one concatenation of
   # the L layer gradients, while each slice would pad its gradient to the whole [L, ...] leaf
   # before the sum (L^2 / 2 leaf-sized additions).
-  split = jax.tree_util.tree_map(lambda x: [y[0] for y in jnp.split(x, num_layers)], stacked)
-  inner["layers"] = tuple(jax.tree_util.tree_map(lambda x, l=l: x[l], split,
-                                                 is_leaf=lambda x: isinstance(x, list))
-                          for l in range(num_layers))
+  pieces = [jnp.split(x, num_layers) for x in leaves]  # Per leaf: L arrays [1, ...].
+  inner["layers"] = tuple(treedef.unflatten([p[l][0] for p in pieces]) for l in range(num_layers))
   return {**params, "params": inner}
 
 
