@@ -40,8 +40,9 @@ import numpy as np
 
 from eppo_jax import logprobs
 from eppo_jax.models.config import ModelConfig
-from eppo_jax.models.transformer import (Cache, forward_with_cache, init_cache, unrolls_layers,
-                                         unstack_layers, write_chunk)
+from eppo_jax.models.transformer import (Cache, forward_with_cache, init_cache, merge_cache,
+                                         split_cache, unrolls_layers, unstack_layers,
+                                         write_chunk)
 
 Params = Any
 
@@ -238,14 +239,17 @@ def _rollout(params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP, rn
   # Left padding puts every row's last valid token in the last column: only its logits are needed.
   last_logits_Bx1xV, cache = forward(prompt_tokens_BxP, prompt_mask_BxP, cache, head="last")
   unroll = unrolls_layers(config)
-  if unroll:
-    # Split the stacked layer weights once, outside the loop, so decode steps read them in place.
-    # Each step's keys are then written at the start of the next step (see `forward_with_cache`);
-    # the first such write puts zeros into the next free slot, which the first step then fills.
-    forward = functools.partial(forward_with_cache, unstack_layers(params), config, prefix=prefix)
   l, _, k, _, h = cache["k"].shape
   zeros = jnp.zeros((l, b, k, 1, h), cache["k"].dtype)
   pending = (zeros, zeros, cache["index"])  # Unused by the rolled layer loop, which writes at once.
+  full_cache = cache
+  if unroll:
+    # Split the stacked layer weights and the cache's first `prefix` slots once, outside the loop,
+    # so decode steps read both in place. Each step's keys are then written at the start of the
+    # next step (see `forward_with_cache`); the first such write puts zeros into the next free
+    # slot, which the first step then fills.
+    forward = functools.partial(forward_with_cache, unstack_layers(params), config, prefix=prefix)
+    cache = split_cache(cache, prefix)
 
   def decode_step(token_B, live_B, cache, pending):
     if unroll:
@@ -288,7 +292,7 @@ def _rollout(params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP, rn
   _, _, _, cache, pending, tokens_BxN, logprobs_BxN, entropies_BxN, mask_BxN = (
       jax.lax.while_loop(cond, body, carry))
   if unroll:
-    cache = write_chunk(cache, pending)
+    cache = merge_cache(full_cache, write_chunk(cache, pending))
   return RolloutOutput(tokens=tokens_BxN, logprobs=logprobs_BxN, entropies=entropies_BxN,
                        mask=mask_BxN, lengths=mask_BxN.sum(axis=1, dtype=jnp.int32), cache=cache)
 

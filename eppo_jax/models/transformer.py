@@ -320,11 +320,32 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> Cac
 
 
 def write_chunk(cache: Cache, chunk_kv) -> Cache:
-  """Writes a chunk's keys and values (`forward_with_cache(..., defer_write=True)`) into the cache."""
+  """Writes a chunk's keys and values (`forward_with_cache(..., defer_write=True)`) into the cache
+  (stacked, or split by `split_cache`)."""
   k_LxBxKxTxH, v_LxBxKxTxH, index = chunk_kv
-  start = (0, 0, 0, index, 0)
-  return {**cache, "k": jax.lax.dynamic_update_slice(cache["k"], k_LxBxKxTxH, start),
-          "v": jax.lax.dynamic_update_slice(cache["v"], v_LxBxKxTxH, start)}
+
+  def put(c, x_LxBxKxTxH):
+    if isinstance(c, tuple):
+      return tuple(jax.lax.dynamic_update_slice(c_l, x_LxBxKxTxH[l], (0, 0, index, 0))
+                   for l, c_l in enumerate(c))
+    return jax.lax.dynamic_update_slice(c, x_LxBxKxTxH, (0, 0, 0, index, 0))
+  return {**cache, "k": put(cache["k"], k_LxBxKxTxH), "v": put(cache["v"], v_LxBxKxTxH)}
+
+
+def split_cache(cache: Cache, prefix: int) -> Cache:
+  """The first `prefix` slots of the cache, with k / v split into tuples of L layer arrays
+  [B,K,prefix,H]: a decode loop over unrolled layers then reads each layer's keys in place, where
+  taking layer l of the stacked [L, ...] cache copies it at every step."""
+  split = lambda c: tuple(x[0] for x in jnp.split(c[:, :, :, :prefix], c.shape[0]))
+  return {**cache, "k": split(cache["k"]), "v": split(cache["v"]),
+          "mask": cache["mask"][:, :prefix]}
+
+
+def merge_cache(cache: Cache, part: Cache) -> Cache:
+  """`cache` with its first slots replaced by `part` (from `split_cache`, then written to)."""
+  put = lambda c, p: jax.lax.dynamic_update_slice(c, jnp.stack(p), (0, 0, 0, 0, 0))
+  return {**part, "k": put(cache["k"], part["k"]), "v": put(cache["v"], part["v"]),
+          "mask": jax.lax.dynamic_update_slice(cache["mask"], part["mask"], (0, 0))}
 
 
 def forward_with_cache(params: Params, config: ModelConfig, tokens_BxT, token_mask_BxT,
@@ -354,7 +375,8 @@ def forward_with_cache(params: Params, config: ModelConfig, tokens_BxT, token_ma
   positions_BxT = positions_from_mask(valid_BxT, cache["pos"])
   # Slots before the chunk; the chunk's own keys come straight from this call's projections.
   old_valid_BxP = cache["mask"][:, :prefix] & (jnp.arange(prefix) < index)[None]
-  used = lambda c: c[:, :, :, :prefix]
+  used = lambda c: tuple(c_l[:, :, :prefix] for c_l in c) if isinstance(c, tuple) else (
+      c[:, :, :, :prefix])
   out, (k_LxBxKxTxH, v_LxBxKxTxH) = Transformer(config).apply(
       params, tokens_BxT, positions_BxT, valid_BxT, (used(cache["k"]), used(cache["v"])),
       old_valid_BxP, head=head)
