@@ -7,10 +7,10 @@
 Both sides decode greedily, with no stop token, `--new-tokens` tokens after a `--prompt-len` prompt
 (HF with `min_new_tokens = max_new_tokens`, so it never stops early). Throughput counts generated
 tokens over the whole call, prefill included; compilation is reported apart (JAX compiles ahead
-with `lower().compile()` and runs the program once untimed; HF gets a short warm-up generate). Each side runs in its own fresh
-process on the same cores (`--cores`); HF is timed with 1 thread and with PyTorch's default
-threads, interleaved with ours and repeated `--repeats` times, and the ratio uses the faster HF
-setting's median (see `common.py`).
+with `lower().compile()` and runs the program once untimed; HF gets a short warm-up generate).
+Each side runs in its own fresh process on the same cores (`--cores`); HF is timed with 1 thread
+and with PyTorch's default threads, interleaved with ours and repeated `--repeats` times, and the
+ratio uses the faster HF setting's median (see `common.py`).
 The roofline column is the fraction of the measured copy bandwidth (large NumPy copy) that the
 decode steps reach when each step reads every weight once: weight bytes x steps/s / bandwidth.
 """

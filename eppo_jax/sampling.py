@@ -24,7 +24,8 @@ Static shapes. Left-pad prompts to a few bucket lengths (`left_pad`, `bucket`) a
 Cost. A call attends over a static prefix of the cache that covers the slots written before it
 plus its own P + N (`prefix_bucket`: one of three sizes per cache), so the first turn of a long
 episode does not pay for the whole episode's cache. On CPU the decode steps run the layers over
-weights split once per call (`ModelConfig.unroll_layers`), so no step copies a layer's weights.
+weights and cache slots split per layer once per call (`ModelConfig.unroll_layers`,
+`transformer.split_cache`), so no step copies a layer's weights or keys.
 """
 
 from __future__ import annotations
