@@ -67,13 +67,18 @@ def test_rerun_with_another_config_is_refused_before_writing(tmp_path):
 
   # A record made before a field existed (a newer eppo_jax added it) resumes; a change of a field
   # the record has is still refused.
-  del stored["model"]["attention_impl"]
+  del stored["rollout"]["temperature"]
   (tmp_path / "run" / "config.json").write_text(json.dumps(stored))
-  assert set(workdir.claim(changed, tmp_path / "run")) == {"model.attention_impl"}
+  assert set(workdir.claim(changed, tmp_path / "run")) == {"rollout.temperature"}
   changed.train.allow_config_change = False
-  changed.model.attention_impl = "dense"
-  with pytest.raises(workdir.WorkdirConflict, match="model.attention_impl: 'blockwise' -> 'dense'"):
+  changed.rollout.temperature = 0.5
+  with pytest.raises(workdir.WorkdirConflict, match=r"rollout.temperature: 1.0 -> 0.5"):
     workdir.claim(changed, tmp_path / "run")
+  # How the same model is computed (attention kernel and blocks) is a safe change.
+  changed.rollout.temperature = 1.0
+  changed.model.attention_impl, changed.model.attention_block_q = "dense", 128
+  assert {"model.attention_impl", "model.attention_block_q"} <= set(
+      workdir.claim(changed, tmp_path / "run"))
 
 
 # ----------------------------------------------------------------------------------------------
