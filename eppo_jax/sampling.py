@@ -41,9 +41,9 @@ import numpy as np
 
 from eppo_jax import logprobs
 from eppo_jax.models.config import ModelConfig
-from eppo_jax.models.transformer import (Cache, forward_with_cache, init_cache, merge_cache,
-                                         split_cache, unrolls_layers, unstack_layers,
-                                         write_chunk)
+from eppo_jax.models.transformer import (Cache, forward_with_cache, init_cache, layer_params,
+                                         merge_cache, split_cache, unrolls_layers,
+                                         write_split_chunk)
 
 Params = Any
 
@@ -249,12 +249,13 @@ def _rollout(params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP, rn
     # so decode steps read both in place. Each step's keys are then written at the start of the
     # next step (see `forward_with_cache`); the first such write puts zeros into the next free
     # slot, which the first step then fills.
-    forward = functools.partial(forward_with_cache, unstack_layers(params), config, prefix=prefix)
+    forward = functools.partial(forward_with_cache, layer_params(params, config), config,
+                                prefix=prefix)
     cache = split_cache(cache, prefix)
 
   def decode_step(token_B, live_B, cache, pending):
     if unroll:
-      return forward(token_B[:, None], live_B[:, None], write_chunk(cache, pending),
+      return forward(token_B[:, None], live_B[:, None], write_split_chunk(cache, pending),
                      defer_write=True)
     return (*forward(token_B[:, None], live_B[:, None], cache), pending)
   logits_BxV = jnp.where(fits, last_logits_Bx1xV[:, 0], jnp.nan)
@@ -293,7 +294,7 @@ def _rollout(params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP, rn
   _, _, _, cache, pending, tokens_BxN, logprobs_BxN, entropies_BxN, mask_BxN = (
       jax.lax.while_loop(cond, body, carry))
   if unroll:
-    cache = merge_cache(full_cache, write_chunk(cache, pending))
+    cache = merge_cache(full_cache, write_split_chunk(cache, pending))
   return RolloutOutput(tokens=tokens_BxN, logprobs=logprobs_BxN, entropies=entropies_BxN,
                        mask=mask_BxN, lengths=mask_BxN.sum(axis=1, dtype=jnp.int32), cache=cache)
 

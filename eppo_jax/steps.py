@@ -169,7 +169,7 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
   data.update(idx=idx_BxR, loss_mask=loss_mask_BxR, advantages=advantages_B)
   if cfg.loss.kl_coef:
     # The reference policy is the base model: the same params with the adapters left out.
-    ref_params = lora.base_params(params)
+    ref_params = transformer.layer_params(lora.base_params(params), cfg.model)  # Split once.
     data["ref_logp"] = lax.map(lambda mb: score(ref_params, mb)[0],
                                _minibatches(data, None, m, cfg.minibatch_sharding)).reshape(b, -1)
 
@@ -229,7 +229,8 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
     old_logp, entropy = logp0[None], ent0[None]
     if m > 1:
       rest = jax.tree_util.tree_map(lambda x: x[1:], in_order)
-      old_rest, ent_rest = lax.map(lambda mb: score(params, mb), rest)
+      old_params = transformer.layer_params(params, cfg.model)  # Split once for every pass.
+      old_rest, ent_rest = lax.map(lambda mb: score(old_params, mb), rest)
       old_logp = jnp.concatenate([old_logp, old_rest])
       entropy = jnp.concatenate([entropy, ent_rest])
     old_logp_BxR, entropy_BxR = old_logp.reshape(b, -1), entropy.reshape(b, -1)

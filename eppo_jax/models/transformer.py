@@ -205,13 +205,13 @@ class Transformer(nn.Module):
     angles_BxTxH = jnp.concatenate([angles, angles], axis=-1)
     sin, cos = (f(angles_BxTxH).astype(cfg.compute_dtype) for f in (jnp.sin, jnp.cos))
 
-    layer_params = self.variables.get("params", {}).get("layers")
-    if isinstance(layer_params, tuple):  # Split by `unstack_layers`: one tree per layer.
+    per_layer = self.variables.get("params", {}).get("layers")
+    if isinstance(per_layer, tuple):  # Split by `unstack_layers`: one tree per layer.
       # A Python loop over layers whose weights are separate buffers: each layer reads its weights
       # in place. Slicing the stacked [L, ...] weights (scan or unrolled) copies each layer's slice
       # at every call, which on CPU costs more than a decode step's matmuls.
       new_k, new_v = [], []
-      for l, p in enumerate(layer_params):
+      for l, p in enumerate(per_layer):
         layer_cache = None if kv_cache is None else (kv_cache[0][l], kv_cache[1][l])
         x_BxTxD, c = DecoderLayer(cfg).apply({"params": p}, x_BxTxD, sin, cos, token_mask_BxT,
                                              layer_cache, cache_valid_BxS)
@@ -290,12 +290,21 @@ def unrolls_layers(config: ModelConfig) -> bool:
   return unroll if unroll is not None else jax.default_backend() == "cpu"
 
 
+def layer_params(params: Params, config: ModelConfig) -> Params:
+  """`params` laid out for this config's calls: split per layer (`unstack_layers`) when layers are
+  unrolled, else as they are. The split is a copy of the layer weights: a caller that runs several
+  passes with the same params splits once and passes the result. Gradients flow back through it
+  to the stacked weights."""
+  if unrolls_layers(config) and not isinstance(params["params"]["layers"], tuple):
+    return unstack_layers(params)
+  return params
+
+
 def logits(params: Params, config: ModelConfig, tokens_BxT, attention_mask_BxT,
            head: str = "logits") -> jax.Array:
   """Full causal forward without cache -> float32 logits [B,T,V]; works on left or right padding."""
   valid_BxT = attention_mask_BxT.astype(bool)
-  if unrolls_layers(config) and not isinstance(params["params"]["layers"], tuple):
-    params = unstack_layers(params)  # Gradients flow back to the stacked weights.
+  params = layer_params(params, config)
   out, _ = Transformer(config).apply(params, tokens_BxT, positions_from_mask(valid_BxT), valid_BxT,
                                      head=head)
   return out
@@ -319,26 +328,25 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> Cac
   }
 
 
-def write_chunk(cache: Cache, chunk_kv) -> Cache:
-  """Writes a chunk's keys and values (`forward_with_cache(..., defer_write=True)`) into the cache
-  (stacked, or split by `split_cache`)."""
-  k_LxBxKxTxH, v_LxBxKxTxH, index = chunk_kv
-
-  def put(c, x_LxBxKxTxH):
-    if isinstance(c, tuple):
-      return tuple(jax.lax.dynamic_update_slice(c_l, x_LxBxKxTxH[l], (0, 0, index, 0))
-                   for l, c_l in enumerate(c))
-    return jax.lax.dynamic_update_slice(c, x_LxBxKxTxH, (0, 0, 0, index, 0))
-  return {**cache, "k": put(cache["k"], k_LxBxKxTxH), "v": put(cache["v"], v_LxBxKxTxH)}
-
-
 def split_cache(cache: Cache, prefix: int) -> Cache:
   """The first `prefix` slots of the cache, with k / v split into tuples of L layer arrays
-  [B,K,prefix,H]: a decode loop over unrolled layers then reads each layer's keys in place, where
-  taking layer l of the stacked [L, ...] cache copies it at every step."""
+  [B,K,prefix,H]: the decode loop's private view when layers are unrolled (`sampling._rollout`).
+  Each step then reads each layer's keys in place, where taking layer l of the stacked [L, ...]
+  cache copies it at every step. Everything outside that loop sees the stacked layout."""
   split = lambda c: tuple(x[0] for x in jnp.split(c[:, :, :, :prefix], c.shape[0]))
   return {**cache, "k": split(cache["k"]), "v": split(cache["v"]),
           "mask": cache["mask"][:, :prefix]}
+
+
+def write_split_chunk(cache: Cache, chunk_kv) -> Cache:
+  """Writes a chunk's keys and values (`forward_with_cache(..., defer_write=True)`) into a cache
+  split by `split_cache`, layer by layer."""
+  k_LxBxKxTxH, v_LxBxKxTxH, index = chunk_kv
+
+  def put(c, x_LxBxKxTxH):
+    return tuple(jax.lax.dynamic_update_slice(c_l, x_LxBxKxTxH[l], (0, 0, index, 0))
+                 for l, c_l in enumerate(c))
+  return {**cache, "k": put(cache["k"], k_LxBxKxTxH), "v": put(cache["v"], v_LxBxKxTxH)}
 
 
 def merge_cache(cache: Cache, part: Cache) -> Cache:
@@ -361,10 +369,10 @@ def forward_with_cache(params: Params, config: ModelConfig, tokens_BxT, token_ma
   pays for the slots in use rather than for the whole episode's cache.
 
   With `defer_write`, the chunk's keys and values are returned instead of written, as a third
-  output for `write_chunk`; the cache's mask and index already count them. A decode loop writes
-  them at the start of its next step: a write in the same step as the layers' reads of the cache
-  is not ordered after the last layer's read when the layers are unrolled, and XLA then copies
-  the whole cache at every step.
+  output for `write_split_chunk`; the cache's mask and index already count them. The unrolled
+  decode loop writes them at the start of its next step: a write in the same step as the layers'
+  reads of the cache is not ordered after the last layer's read, and XLA then copies the whole
+  cache at every step.
   """
   t, s = tokens_BxT.shape[1], cache["mask"].shape[1]
   prefix = s if prefix is None else prefix
@@ -375,8 +383,8 @@ def forward_with_cache(params: Params, config: ModelConfig, tokens_BxT, token_ma
   positions_BxT = positions_from_mask(valid_BxT, cache["pos"])
   # Slots before the chunk; the chunk's own keys come straight from this call's projections.
   old_valid_BxP = cache["mask"][:, :prefix] & (jnp.arange(prefix) < index)[None]
-  used = lambda c: tuple(c_l[:, :, :prefix] for c_l in c) if isinstance(c, tuple) else (
-      c[:, :, :, :prefix])
+  # A split cache (`split_cache`, always cut to its prefix) is passed whole.
+  used = lambda c: c if prefix == s else c[:, :, :, :prefix]
   out, (k_LxBxKxTxH, v_LxBxKxTxH) = Transformer(config).apply(
       params, tokens_BxT, positions_BxT, valid_BxT, (used(cache["k"]), used(cache["v"])),
       old_valid_BxP, head=head)
@@ -386,7 +394,7 @@ def forward_with_cache(params: Params, config: ModelConfig, tokens_BxT, token_ma
       "index": index + t,
       "pos": cache["pos"] + valid_BxT.sum(axis=1, dtype=jnp.int32),
   }
-  chunk_kv = (k_LxBxKxTxH, v_LxBxKxTxH, index)
   if defer_write:
-    return out, new_cache, chunk_kv
-  return out, write_chunk(new_cache, chunk_kv)
+    return out, new_cache, (k_LxBxKxTxH, v_LxBxKxTxH, index)
+  put = lambda c, x_LxBxKxTxH: jax.lax.dynamic_update_slice(c, x_LxBxKxTxH, (0, 0, 0, index, 0))
+  return out, {**new_cache, "k": put(cache["k"], k_LxBxKxTxH), "v": put(cache["v"], v_LxBxKxTxH)}
