@@ -241,6 +241,28 @@ def test_nonfinite_rewards_are_left_out_of_the_update():
                                                       jax.tree_util.tree_leaves(new.trainable)))
 
 
+def test_nonfinite_gradient_skips_the_update():
+  """A NaN weight gives NaN gradients: every minibatch's update is skipped and counted, and the
+  params and optimizer state stay as they were (a control step with healthy weights moves them)."""
+  fn, tx = _p_train(1, 2)
+  state = _replicate(_initial_state(tx), 1)
+  key = _replicate(jax.random.PRNGKey(3), 1)
+  batch = _layout(_batch(0), 1, 2)
+  leaves, treedef = jax.tree_util.tree_flatten(state.trainable)
+  poisoned = [np.array(x) for x in leaves]
+  poisoned[-1].flat[0] = np.nan
+  bad_state = state.replace(trainable=jax.tree_util.tree_unflatten(treedef, poisoned))
+  new, metrics = jax.device_get(fn(bad_state, {}, batch, key))
+  assert int(metrics["skipped"][0]) == 2
+  assert not np.isfinite(metrics["grad_norm"][0])
+  assert_trees_equal(new.trainable, jax.device_get(bad_state.trainable))
+  assert_trees_equal(new.opt_state, jax.device_get(bad_state.opt_state))
+  moved, control = jax.device_get(fn(state, {}, batch, key))
+  assert int(control["skipped"][0]) == 0
+  assert any(not np.array_equal(x, y) for x, y in zip(jax.tree_util.tree_leaves(moved.trainable),
+                                                      jax.tree_util.tree_leaves(state.trainable)))
+
+
 def np_advantages(rewards, groups, valid, eps=1e-6):
   """GRPO advantages over the valid members of each group (0 elsewhere), loop by loop."""
   out = np.zeros(len(rewards))
