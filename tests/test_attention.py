@@ -90,6 +90,27 @@ def test_blockwise_over_cache_and_chunk_equals_dense():
   np.testing.assert_allclose(np.asarray(blockwise), np.asarray(dense), atol=TOL, rtol=0)
 
 
+def test_single_query_equals_dense():
+  """A decode step: one query per row over cache slots (one row with none valid) and itself (one
+  row a pad), under each implementation against the dense reference."""
+  rng = np.random.default_rng(5)
+  b, s, kh, g, h = 3, 37, 2, 3, 8
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  q = normal(b, 1, kh, g, h)
+  cache_valid = rng.random((b, s)) < 0.6
+  cache_valid[2] = False
+  sources = [KeySource(normal(b, kh, s, h), normal(b, kh, s, h), jnp.asarray(cache_valid), False),
+             KeySource(normal(b, kh, 1, h), normal(b, kh, 1, h), jnp.asarray([[1], [0], [1]], bool),
+                       True)]
+  dense = np.asarray(attention.attend(q, sources, impl="dense", block_q=8, block_k=8,
+                                      dtype=jnp.float32))
+  assert np.abs(dense).max() > 0.1
+  for impl in ("blockwise", "xla"):
+    out = jax.jit(lambda q: attention.attend(q, sources, impl=impl, block_q=8, block_k=8,
+                                             dtype=jnp.float32))(q)
+    np.testing.assert_allclose(np.asarray(out), dense, atol=TOL, rtol=0, err_msg=impl)
+
+
 def test_blockwise_memory_does_not_grow_with_t_squared():
   """Compiled forward + backward temporaries: dense holds B*N*T*T floats, blockwise far less."""
   b, t, kh, g, h = 1, 2048, 2, 2, 16
