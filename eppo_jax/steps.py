@@ -182,9 +182,10 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
     trainable, opt_state = carry
     grads = grads if axis is None else lax.pmean(grads, axis)
     # A non-finite loss or gradient skips this update; the host counts skips and stops the run
-    # after several in a row. A NaN or inf anywhere in the gradients makes their norm non-finite,
-    # so the norm (which the metrics and gradient clipping compute anyway) is the check: no
-    # separate pass over every gradient.
+    # after several in a row. A NaN or inf anywhere in the gradients makes their norm non-finite
+    # (as does a sum of squares past float32's range, which clipping could not scale either), so
+    # the norm, which the metrics and gradient clipping compute anyway, is the check: no separate
+    # pass over every gradient.
     grad_norm = optax.tree.norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if axis is not None:

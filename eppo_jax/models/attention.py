@@ -274,9 +274,9 @@ def attend(q_BxTxKxGxH, sources, *, impl: str, block_q: int, block_k: int, dtype
 
   `impl` "blockwise" falls back to the dense path, statically, when the T x S scores are no more
   than one block pair's (short sequences, decode chunks), and a single query (a decode step)
-  takes `single_query_attention` under every `impl` but the "dense" reference. "xla" / "cudnn" call
-  `jax.nn.dot_product_attention` for the uncached causal case (one causal source, T == S) and use
-  the blockwise kernel otherwise.
+  takes `single_query_attention` under every `impl` but the "dense" reference. "xla" / "cudnn"
+  call `jax.nn.dot_product_attention` for the uncached causal case (one causal source, T == S)
+  and use the blockwise kernel otherwise.
   """
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"attention_impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
