@@ -121,6 +121,11 @@ def _minibatches(batch: dict, order_M: Optional[jax.Array], num: int, sharding=N
   return jax.tree_util.tree_map(split, batch)
 
 
+def _finite(*trees) -> jax.Array:
+  leaves = [x for t in trees for x in jax.tree_util.tree_leaves(t)]
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
 def _take(tree, i):
   return jax.tree_util.tree_map(lambda x: x[i], tree)
 
@@ -182,12 +187,10 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
     trainable, opt_state = carry
     grads = grads if axis is None else lax.pmean(grads, axis)
     # A non-finite loss or gradient skips this update; the host counts skips and stops the run
-    # after several in a row. A NaN or inf anywhere in the gradients makes their norm non-finite
-    # (as does a sum of squares past float32's range, which clipping could not scale either), so
-    # the norm, which the metrics and gradient clipping compute anyway, is the check: no separate
-    # pass over every gradient.
-    grad_norm = optax.tree.norm(grads)
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    # after several in a row. Every device must take the same branch (on a mesh the update holds
+    # collectives): taking the predicate from the gradient norm instead hung a 4-device CPU test
+    # run, its devices waiting at different collectives; this leafwise check has not.
+    ok = jnp.isfinite(loss) & _finite(grads)
     if axis is not None:
       ok = lax.pmin(ok.astype(jnp.int32), axis) > 0  # All devices skip together.
 
@@ -199,7 +202,7 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
     # A branch, not a select of old and new: the skipped path holds no second copy of the params
     # and optimizer state, which matters for full fine-tuning.
     carry = lax.cond(ok, step, lambda operands: operands[:2], (trainable, opt_state, grads))
-    metrics = dict(metrics, grad_norm=grad_norm, skipped=1 - ok.astype(jnp.int32))
+    metrics = dict(metrics, grad_norm=optax.tree.norm(grads), skipped=1 - ok.astype(jnp.int32))
     return carry, metrics
 
   rng_epochs = jax.random.split(rng, cfg.ppo_epochs)
