@@ -55,21 +55,33 @@ def _scores(q_BxKxGxTxH, k_BxKxSxH, visible_BxTxS, scale):
   return jnp.where(visible_BxTxS[:, None, None], s, MASK_VALUE)
 
 
-def dense_attention(q_BxTxKxGxH, sources, dtype):
-  """Reference: all scores at once, one softmax over the concatenated sources -> [B,T,K,G,H]."""
-  t, h = q_BxTxKxGxH.shape[1], q_BxTxKxGxH.shape[-1]
-  q_BxKxGxTxH = q_BxTxKxGxH.transpose(0, 2, 3, 1, 4)
-  scores = [_scores(q_BxKxGxTxH, src.k_BxKxSxH,
-                    _visible(src.valid_BxS, src.causal, 0, 0, t, src.k_BxKxSxH.shape[2]),
-                    1 / math.sqrt(h)) for src in sources]
+def _attend_sources(q, sources, visible, dtype, scores_spec: str, out_spec: str):
+  """One softmax over all sources' scores, then the probability-weighted values.
+
+  `q` is laid out for the einsum specs; `visible` holds one mask per source, [B,...,S], that
+  broadcasts over the K and G axes of the scores.
+  """
+  scale = 1 / math.sqrt(q.shape[-1])
+  scores = [jnp.where(vis[:, None, None],
+                      jnp.einsum(scores_spec, q, src.k_BxKxSxH.astype(q.dtype),
+                                 preferred_element_type=jnp.float32) * scale, MASK_VALUE)
+            for src, vis in zip(sources, visible)]
   probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(dtype)
   out, start = 0, 0
   for src in sources:
     s = src.k_BxKxSxH.shape[2]
-    out = out + jnp.einsum("bkgts,bksh->btkgh", probs[..., start:start + s],
-                           src.v_BxKxSxH.astype(dtype))
+    out = out + jnp.einsum(out_spec, probs[..., start:start + s], src.v_BxKxSxH.astype(dtype))
     start += s
   return out
+
+
+def dense_attention(q_BxTxKxGxH, sources, dtype):
+  """Reference: all scores at once, one softmax over the concatenated sources -> [B,T,K,G,H]."""
+  t = q_BxTxKxGxH.shape[1]
+  visible = [_visible(src.valid_BxS, src.causal, 0, 0, t, src.k_BxKxSxH.shape[2])
+             for src in sources]  # [B,T,S] each.
+  return _attend_sources(q_BxTxKxGxH.transpose(0, 2, 3, 1, 4), sources, visible, dtype,
+                         "bkgth,bksh->bkgts", "bkgts,bksh->btkgh")
 
 
 def single_query_attention(q_Bx1xKxGxH, sources, dtype):
@@ -81,21 +93,10 @@ def single_query_attention(q_Bx1xKxGxH, sources, dtype):
   model's 2 x 2 heads; equal with 12 x 1). A multiply-and-reduce form was 40x slower with one
   query head per key head.
   """
-  q_BxKxGxH = q_Bx1xKxGxH[:, 0]
-  scale = 1 / math.sqrt(q_BxKxGxH.shape[-1])
-  scores = []
-  for src in sources:
-    s_BxKxGxS = jnp.einsum("bkgh,bksh->bkgs", q_BxKxGxH, src.k_BxKxSxH.astype(q_BxKxGxH.dtype),
-                           preferred_element_type=jnp.float32) * scale
-    visible_BxS = _visible(src.valid_BxS, src.causal, 0, 0, 1, src.k_BxKxSxH.shape[2])[:, 0]
-    scores.append(jnp.where(visible_BxS[:, None, None], s_BxKxGxS, MASK_VALUE))
-  probs_BxKxGxS = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(dtype)
-  out_BxKxGxH, start = 0, 0
-  for src in sources:
-    s = src.k_BxKxSxH.shape[2]
-    out_BxKxGxH = out_BxKxGxH + jnp.einsum("bkgs,bksh->bkgh", probs_BxKxGxS[..., start:start + s],
-                                           src.v_BxKxSxH.astype(dtype))
-    start += s
+  visible = [_visible(src.valid_BxS, src.causal, 0, 0, 1, src.k_BxKxSxH.shape[2])[:, 0]
+             for src in sources]  # [B,S] each.
+  out_BxKxGxH = _attend_sources(q_Bx1xKxGxH[:, 0], sources, visible, dtype, "bkgh,bksh->bkgs",
+                                "bkgs,bksh->bkgh")
   return out_BxKxGxH[:, None]
 
 
