@@ -121,6 +121,9 @@ def base_config() -> ml_collections.ConfigDict:
   # (teacher-forced with the pre-update params; exact) or "sampler" (the rollout's own per-token
   # numbers: no old-policy pass, but in bf16 the ratio starts off 1). See docs/eppo.md.
   c.optim.old_logprobs = "recompute"
+  # Run each group's shared prompt once per group in the update, not once per episode (exact up to
+  # float rounding; minibatches then hold whole groups and later epochs shuffle groups).
+  c.optim.share_prompt = True
 
   # Overrides of the method's PacingConfig / LossConfig fields (see docs/eppo.md), e.g.
   # `--config.pacing.alpha=0.5`. Empty means the method's defaults.

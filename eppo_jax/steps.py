@@ -63,10 +63,19 @@ class StepConfig:
   # the pre-update params, exact) or "sampler" (the rollout's own per-token numbers, batch keys
   # "logprobs" / "entropies" aligned with "tokens"; no old-policy pass). See docs/eppo.md.
   old_logprobs: str = "recompute"
+  # P, the leading tokens that the `group_size` consecutive rows of each group share (their prompt,
+  # found by `shared_prefix_length`): the update runs them once per group and the rest of each row
+  # behind them (`transformer.prefix_hidden_states`); minibatches then hold whole groups and later
+  # epochs shuffle groups, not rows. 0 runs every row whole.
+  shared_prefix: int = 0
+  group_size: int = 1
 
   def __post_init__(self):
     if self.old_logprobs not in OLD_LOGPROBS:
       raise ValueError(f"old_logprobs must be one of {OLD_LOGPROBS}, got {self.old_logprobs!r}")
+    if self.shared_prefix < 0 or self.group_size < 1:
+      raise ValueError(f"shared_prefix {self.shared_prefix} must be >= 0 and group_size "
+                       f"{self.group_size} >= 1")
     if self.loss_tokens_per_row is not None and self.loss_tokens_per_row < 1:
       raise ValueError(f"loss_tokens_per_row must be >= 1 or None, got {self.loss_tokens_per_row}")
 
@@ -77,6 +86,27 @@ def loss_positions(loss_mask_BxT, budget: int):
   idx_BxR = jax.vmap(lambda m: jnp.nonzero(m, size=budget, fill_value=0)[0])(mask_BxT)
   valid_BxR = jnp.arange(budget)[None] < mask_BxT.sum(axis=1, keepdims=True)
   return idx_BxR.astype(jnp.int32), valid_BxR
+
+
+def shared_prefix_length(tokens_BxT, attention_mask_BxT, loss_mask_BxT, group_size: int,
+                         multiple: int = 32) -> int:
+  """Host: the `StepConfig.shared_prefix` this batch allows, rounded down to `multiple` (few
+  distinct values, few compilations): the longest P such that the `group_size` consecutive rows of
+  each group agree on their first P tokens and mask, and no row scores a position below P (position
+  t scores token t + 1). 0 when the rows do not come in such groups."""
+  tokens, mask = np.asarray(tokens_BxT), np.asarray(attention_mask_BxT).astype(bool)
+  loss = np.asarray(loss_mask_BxT).astype(bool)
+  b, t = tokens.shape
+  if group_size < 2 or b % group_size:
+    return 0
+  tokens, mask = (x.reshape(b // group_size, group_size, t) for x in (tokens, mask))
+  same_T = np.all((tokens == tokens[:, :1]) & (mask == mask[:, :1]), axis=(0, 1))
+  limit = int(np.argmin(same_T)) if not same_T.all() else t
+  scored = loss[:, 1:].any(axis=0)  # Position t scores token t + 1.
+  if scored.any():
+    limit = min(limit, int(np.argmax(scored)))
+  limit = min(limit, t - 2)  # At least one position runs behind the prefix.
+  return limit - limit % multiple
 
 
 def check_loss_budget(loss_mask_BxT, budget: Optional[int]) -> None:
@@ -90,18 +120,27 @@ def check_loss_budget(loss_mask_BxT, budget: Optional[int]) -> None:
 
 
 def scored_logprobs(params, model: ModelConfig, tokens_BxT, attention_mask_BxT, idx_BxR,
-                    temperature: float):
+                    temperature: float, shared_prefix: int = 0, group_size: int = 1):
   """Teacher-forced log-prob and entropy at positions `idx` (None: all; t scores token t + 1).
 
   ([B,R], [B,R]) float32 of softmax(logits / temperature), the distribution the sampler draws from
   and reports. The LM head runs only at the gathered positions, in chunks (eppo_jax.logprobs).
+  With `shared_prefix` P (see `StepConfig`), every position of `idx` is >= P.
   """
-  hidden_BxTxD = transformer.hidden_states(params, model, tokens_BxT[:, :-1],
-                                           attention_mask_BxT[:, :-1])
-  hidden_BxRxD, target_BxR = hidden_BxTxD, tokens_BxT[:, 1:]
+  # U = T - 1 - P positions are run: those after the shared prefix (all T - 1 when P = 0).
+  tokens_BxT1, mask_BxT1 = tokens_BxT[:, :-1], attention_mask_BxT[:, :-1]
+  target_BxU = tokens_BxT[:, 1 + shared_prefix:]
+  if shared_prefix:
+    hidden_BxUxD = transformer.prefix_hidden_states(params, model, tokens_BxT1, mask_BxT1,
+                                                    shared_prefix, group_size)
+    # A budget slot without a loss token holds index 0; its score is masked out.
+    idx_BxR = None if idx_BxR is None else jnp.maximum(idx_BxR - shared_prefix, 0)
+  else:
+    hidden_BxUxD = transformer.hidden_states(params, model, tokens_BxT1, mask_BxT1)
+  hidden_BxRxD, target_BxR = hidden_BxUxD, target_BxU
   if idx_BxR is not None:
-    hidden_BxRxD = jnp.take_along_axis(hidden_BxRxD, idx_BxR[..., None], axis=1)
-    target_BxR = jnp.take_along_axis(target_BxR, idx_BxR, axis=1)
+    hidden_BxRxD = jnp.take_along_axis(hidden_BxUxD, idx_BxR[..., None], axis=1)
+    target_BxR = jnp.take_along_axis(target_BxU, idx_BxR, axis=1)
   return logprobs.head_logprobs_and_entropy(hidden_BxRxD, transformer.head_kernel(params, model),
                                             target_BxR, temperature, model)
 
@@ -119,6 +158,12 @@ def _minibatches(batch: dict, order_M: Optional[jax.Array], num: int, sharding=N
     x = x.reshape((num, x.shape[0] // num) + x.shape[1:])
     return x if sharding is None else lax.with_sharding_constraint(x, sharding)
   return jax.tree_util.tree_map(split, batch)
+
+
+def _epoch_order(key, b: int, group: int) -> jax.Array:
+  """[b] a random order of the rows that keeps each group's `group` consecutive rows together."""
+  groups = jax.random.permutation(key, b // group)
+  return (groups[:, None] * group + jnp.arange(group)[None]).reshape(b)
 
 
 def _finite(*trees) -> jax.Array:
@@ -144,6 +189,9 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
   m = cfg.num_minibatches
   if b % m:
     raise ValueError(f"per-device batch {b} is not divisible by {m} minibatches")
+  if cfg.shared_prefix and (b // m) % cfg.group_size:
+    raise ValueError(f"a shared prefix needs whole groups of {cfg.group_size} rows in each "
+                     f"minibatch of {b // m}")
   params = lora.combine(state.trainable, frozen)
   # Only positions that carry loss are scored: [b, R] gathered from [b, T - 1] (position t scores
   # token t + 1), a few percent of an agentic episode whose prompt and observations carry none.
@@ -159,7 +207,7 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
 
   def score(p, mb):
     return scored_logprobs(p, cfg.model, mb["tokens"], mb["attention_mask"], mb["idx"],
-                           cfg.temperature)
+                           cfg.temperature, cfg.shared_prefix, cfg.group_size)
 
   advantages_B = objective.grpo_advantages(
       batch["rewards"], batch["group_ids"], cfg.num_groups, estimator=cfg.advantage_estimator,
@@ -259,7 +307,7 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
   for epoch in range(cfg.ppo_epochs):
     # The same permutation on every device (same key), so minibatch i is a global minibatch.
     perm_key, loss_key = jax.random.split(rng_epochs[epoch])
-    order = jax.random.permutation(perm_key, b) if epoch else None
+    order = _epoch_order(perm_key, b, cfg.group_size if cfg.shared_prefix else 1) if epoch else None
     keys = jax.random.split(loss_key, m)
     mbs = _minibatches(data, order, m, cfg.minibatch_sharding)
     if epoch == 0 and first is not None:

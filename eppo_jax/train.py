@@ -370,10 +370,25 @@ def _train(config: ml_collections.ConfigDict, workdir: Path,
 
   keys = named_keys(config.seed)
   rollout_key, train_key, eval_key = keys["rollout"], keys["train"], keys["eval"]
-  p_train = jax.jit(functools.partial(steps.train_step, cfg=step_cfg, tx=tx),
-                    in_shardings=(state_sh, meshlib.shardings(run.frozen, mesh),
-                                  meshlib.batch_sharding(mesh), meshlib.replicated(mesh)),
-                    out_shardings=(state_sh, meshlib.replicated(mesh)), donate_argnums=(0,))
+  updates = {}
+
+  def update_fn(shared_prefix: int):
+    """The jitted update for batches whose groups share their first `shared_prefix` tokens (one
+    compilation per value; `steps.shared_prefix_length` rounds it to few values)."""
+    if shared_prefix not in updates:
+      cfg = dataclasses.replace(step_cfg, shared_prefix=shared_prefix, group_size=r.group_size)
+      updates[shared_prefix] = jax.jit(
+          functools.partial(steps.train_step, cfg=cfg, tx=tx),
+          in_shardings=(state_sh, meshlib.shardings(run.frozen, mesh),
+                        meshlib.batch_sharding(mesh), meshlib.replicated(mesh)),
+          out_shardings=(state_sh, meshlib.replicated(mesh)), donate_argnums=(0,))
+      if shared_prefix:
+        log.info("update: each group's first %d tokens (its prompt) run once per group",
+                 shared_prefix)
+    return updates[shared_prefix]
+
+  # Minibatches of whole groups (the global batch splits into num_minibatches in order).
+  share_prompt = config.optim.share_prompt and not r.instances_per_step % config.optim.num_minibatches
   host_instances = r.instances_per_step // jax.process_count()
   bad_steps = 0
 
@@ -398,10 +413,16 @@ def _train(config: ml_collections.ConfigDict, workdir: Path,
     episodes = run.play(policy, instances, r.group_size)
     env_s, play_s = run.stepper.seconds, time.time() - start
     steps.check_loss_budget(episodes.loss_mask, step_cfg.loss_tokens_per_row)
-    batch = meshlib.put_rows(batch_arrays(episodes, jax.process_index() * host_instances,
-                                          sampler=step_cfg.old_logprobs == "sampler"), mesh)
+    arrays = batch_arrays(episodes, jax.process_index() * host_instances,
+                          sampler=step_cfg.old_logprobs == "sampler")
+    shared = 0
+    if share_prompt:  # The shortest over hosts: one program for the global batch.
+      shared = -parallel.global_max(-steps.shared_prefix_length(
+          arrays["tokens"], arrays["attention_mask"], arrays["loss_mask"], r.group_size))
+    batch = meshlib.put_rows(arrays, mesh)
     with jax.set_mesh(mesh):
-      state, metrics = p_train(state, run.frozen, batch, jax.random.fold_in(train_key, step))
+      state, metrics = update_fn(shared)(state, run.frozen, batch,
+                                         jax.random.fold_in(train_key, step))
     metrics = meshlib.fetch(metrics)
     total_s = time.time() - start
     all_episodes = agent.EpisodeBatch(**parallel.gather_hosts(dataclasses.asdict(episodes)))

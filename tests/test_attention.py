@@ -90,6 +90,41 @@ def test_blockwise_over_cache_and_chunk_equals_dense():
   np.testing.assert_allclose(np.asarray(blockwise), np.asarray(dense), atol=TOL, rtol=0)
 
 
+def test_chunk_behind_its_prefix_equals_the_tail_of_full_attention():
+  """One causal source of S keys whose last T are the queries (the update's shared prompt): the
+  dense path and the kernel's custom VJP == the last T rows of full self-attention over S, values
+  and gradients."""
+  rng = np.random.default_rng(6)
+  b, s, t, kh, g, h = 2, 45, 29, 2, 3, 8
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  q_full, k, v = normal(b, s, kh, g, h), normal(b, kh, s, h), normal(b, kh, s, h)
+  valid = np.ones((b, s), bool)
+  valid[1, :4] = False  # A left-padded prompt.
+  valid[0, s - 3:] = False  # A right-padded reply.
+  valid = jnp.asarray(valid)
+  w = normal(b, t, kh, g, h)
+
+  def full(q_full, k, v):  # Reference: every position queries, the last T rows are kept.
+    out = attention.attend(q_full, [KeySource(k, v, valid, True)], impl="dense", block_q=8,
+                           block_k=8, dtype=jnp.float32)
+    return jnp.sum(out[:, s - t:] * w * valid[:, s - t:, None, None, None])
+
+  def tail(impl):
+    def f(q_full, k, v):
+      out = attention.attend(q_full[:, s - t:], [KeySource(k, v, valid, True)], impl=impl,
+                             block_q=8, block_k=8, dtype=jnp.float32)
+      return jnp.sum(out * w * valid[:, s - t:, None, None, None])
+    return f
+
+  want, want_grads = jax.value_and_grad(full, argnums=(0, 1, 2))(q_full, k, v)
+  for impl in ("dense", "blockwise"):
+    got, grads = jax.jit(jax.value_and_grad(tail(impl), argnums=(0, 1, 2)))(q_full, k, v)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5, err_msg=impl)
+    for x, y in zip(grads, want_grads):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=TOL, rtol=0, err_msg=impl)
+  assert float(jnp.abs(want_grads[1]).max()) > 0.1
+
+
 def test_single_query_equals_dense():
   """A decode step: one query per row over cache slots (one row with none valid) and itself (one
   row a pad), under each implementation against the dense reference."""

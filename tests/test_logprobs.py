@@ -147,7 +147,12 @@ def _reference_step(state, frozen, batch, rng, *, cfg: steps.StepConfig, tx, old
   trainable, opt_state, losses = params, state.opt_state, []
   for epoch, epoch_key in enumerate(jax.random.split(rng, cfg.ppo_epochs)):
     perm_key, loss_key = jax.random.split(epoch_key)
-    order = jax.random.permutation(perm_key, b) if epoch else jnp.arange(b)
+    order = jnp.arange(b)
+    if epoch and cfg.shared_prefix:  # Groups stay together: shuffled as blocks.
+      groups = jax.random.permutation(perm_key, b // cfg.group_size)
+      order = (groups[:, None] * cfg.group_size + jnp.arange(cfg.group_size)).reshape(b)
+    elif epoch:
+      order = jax.random.permutation(perm_key, b)
     for i, key in enumerate(jax.random.split(loss_key, m)):
       rows = order[i * per:(i + 1) * per]
 
@@ -186,6 +191,11 @@ def test_train_step_matches_the_full_position_update(case):
   cfg = steps.StepConfig(model=MODEL, pacing=pacing_cfg, loss=loss_cfg, num_tasks=K,
                          num_groups=B // G, temperature=0.9, num_minibatches=minibatches,
                          ppo_epochs=epochs, axis_name=None, loss_tokens_per_row=budget)
+  _check_against_reference(cfg, batch)
+
+
+def _check_against_reference(cfg, batch):
+  """train_step == _reference_step on `batch`: pacing, loss metrics and params within 1e-5."""
   # Plain SGD: params differ by lr x the gradients' difference (Adam would magnify the rounding
   # of near-zero gradient entries to a full step).
   tx = optax.sgd(0.2)
@@ -209,6 +219,50 @@ def test_train_step_matches_the_full_position_update(case):
     np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
     moved = max(moved, float(jnp.abs(x - x0).max()))
   assert moved > 1e-3  # The params moved: not the equality of two no-ops.
+
+
+def _grouped_batch(seed: int, prompt: int) -> dict:
+  """`_batch` whose groups share their first `prompt` tokens (all valid), replies after them."""
+  batch = _batch(seed)
+  lead = np.arange(B) // G * G
+  batch["tokens"][:, :prompt] = batch["tokens"][lead, :prompt]
+  batch["attention_mask"][:, :prompt] = True
+  pos = np.arange(T)[None]
+  batch["loss_mask"] = batch["attention_mask"] & (((pos >= prompt) & (pos < prompt + 3))
+                                                  | (pos >= prompt + 5))
+  return batch
+
+
+def test_shared_prefix_length():
+  batch = _grouped_batch(2, prompt=8)
+  length = lambda b, **kw: steps.shared_prefix_length(b["tokens"], b["attention_mask"],
+                                                      b["loss_mask"], **kw)
+  # Position 7 scores the first reply token (8): the prefix ends before it.
+  assert length(batch, group_size=G, multiple=1) == 7
+  assert length(batch, group_size=G, multiple=4) == 4
+  assert length(batch, group_size=1, multiple=1) == 0  # No groups, nothing shared.
+  assert length(batch, group_size=3, multiple=1) == 0  # B = 8 rows are not groups of 3.
+  batch["tokens"][5, 5] += 1  # One row of group 2 leaves its group's prompt at position 5.
+  assert length(batch, group_size=G, multiple=1) == 5
+  batch["attention_mask"][0, 2] = False  # A pad inside a row's prompt that its group lacks.
+  assert length(batch, group_size=G, multiple=1) == 2
+
+
+def test_shared_prompt_update_equals_the_whole_row_update():
+  """The group's prompt run once per group (`StepConfig.shared_prefix`), 2 minibatches x 2
+  epochs, == the reference that runs every row whole (groups shuffled as blocks in epoch 2)."""
+  batch = _grouped_batch(2, prompt=8)
+  shared = steps.shared_prefix_length(batch["tokens"], batch["attention_mask"],
+                                      batch["loss_mask"], G, multiple=1)
+  pacing_cfg, loss_cfg = objective.method_configs("eppo")
+  cfg = steps.StepConfig(model=MODEL, pacing=pacing_cfg, loss=loss_cfg, num_tasks=K,
+                         num_groups=B // G, temperature=0.9, num_minibatches=2, ppo_epochs=2,
+                         axis_name=None, loss_tokens_per_row=T - 9, shared_prefix=shared,
+                         group_size=G)
+  _check_against_reference(cfg, {k: jnp.asarray(v) for k, v in batch.items()})
+  with pytest.raises(ValueError, match="whole groups"):
+    steps.train_step(None, {}, batch, None, cfg=dataclasses.replace(cfg, num_minibatches=8),
+                     tx=None)
 
 
 def test_sampler_old_logprobs_enter_the_update():

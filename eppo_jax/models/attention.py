@@ -5,13 +5,16 @@ Shape letters: B batch, T queries, S keys, K key/value heads, G query heads per 
 
 Keys come in *sources*, each a `KeySource(k_BxKxSxH, v_BxKxSxH, valid_BxS, causal)`: the cache
 slots written before a chunk (`causal=False`: every valid slot is visible) and the chunk itself
-(`causal=True`: key j is visible to query t when j <= t). One softmax runs over all sources, so a
-chunk attends to the cache and to itself without concatenating the two.
+(`causal=True`: the T queries are the source's last T positions, so key j is visible to query t
+when j <= t + S - T; S = T for a chunk alone, S > T for a chunk behind the keys of its prefix). One
+softmax runs over all sources, so a chunk attends to the cache and to itself without concatenating
+the two.
 
 The blockwise kernel walks query blocks x key blocks with a running max and sum in float32, and
 skips key blocks above the causal diagonal and blocks without a valid key (the unused tail of a
 cache). No `[B, heads, T, S]` array exists: its temporaries scale with one block pair. The
-uncached causal case has a custom VJP of the same structure (the flash-attention backward,
+case of one causal source (a sequence, or a chunk behind its prefix) has a custom VJP of the same
+structure (the flash-attention backward,
 recomputing each block's probabilities from the saved log-sum-exp), so training memory does not
 grow with T^2 either.
 
@@ -36,11 +39,17 @@ class KeySource(NamedTuple):
   k_BxKxSxH: jax.Array
   v_BxKxSxH: jax.Array
   valid_BxS: jax.Array  # bool
-  causal: bool  # Key j visible to query t only when j <= t (the chunk's own keys).
+  causal: bool  # Key j visible to query t only when j <= t + S - T (the queries' own keys).
+
+
+def _offset(src: KeySource, t: int) -> int:
+  """Key index of query 0 in a causal source of S keys whose last T positions are the queries."""
+  return src.k_BxKxSxH.shape[2] - t if src.causal else 0
 
 
 def _visible(valid_BxS, causal: bool, q_start, k_start, tq: int, sk: int):
-  """[B,tq,sk] bool: which keys of a block each query of a block may attend to."""
+  """[B,tq,sk] bool: which keys of a block each query of a block may attend to; `q_start` is the
+  first query's key index (its index in the block sequence plus the source's `_offset`)."""
   visible_BxTxS = jnp.broadcast_to(valid_BxS[:, None, :], (valid_BxS.shape[0], tq, sk))
   if causal:
     q_T = q_start + jnp.arange(tq)
@@ -78,7 +87,7 @@ def _attend_sources(q, sources, visible, dtype, scores_spec: str, out_spec: str)
 def dense_attention(q_BxTxKxGxH, sources, dtype):
   """Reference: all scores at once, one softmax over the concatenated sources -> [B,T,K,G,H]."""
   t = q_BxTxKxGxH.shape[1]
-  visible = [_visible(src.valid_BxS, src.causal, 0, 0, t, src.k_BxKxSxH.shape[2])
+  visible = [_visible(src.valid_BxS, src.causal, _offset(src, t), 0, t, src.k_BxKxSxH.shape[2])
              for src in sources]  # [B,T,S] each.
   return _attend_sources(q_BxTxKxGxH.transpose(0, 2, 3, 1, 4), sources, visible, dtype,
                          "bkgth,bksh->bkgts", "bkgts,bksh->btkgh")
@@ -93,8 +102,8 @@ def single_query_attention(q_Bx1xKxGxH, sources, dtype):
   model's 2 x 2 heads; equal with 12 x 1). A multiply-and-reduce form was 40x slower with one
   query head per key head.
   """
-  visible = [_visible(src.valid_BxS, src.causal, 0, 0, 1, src.k_BxKxSxH.shape[2])[:, 0]
-             for src in sources]  # [B,S] each.
+  visible = [_visible(src.valid_BxS, src.causal, _offset(src, 1), 0, 1,
+                      src.k_BxKxSxH.shape[2])[:, 0] for src in sources]  # [B,S] each.
   out_BxKxGxH = _attend_sources(q_Bx1xKxGxH[:, 0], sources, visible, dtype, "bkgh,bksh->bkgs",
                                 "bkgs,bksh->bkgh")
   return out_BxKxGxH[:, None]
@@ -134,16 +143,19 @@ def _block_needed(src: KeySource, valid_BxS, q_start, k_start, block_q: int):
   return needed
 
 
-def _forward_query_block(q_BxKxGxTxH, sources, q_start, block_k: int, dtype):
-  """Online softmax of one query block over every key block -> (out f32, log-sum-exp f32)."""
+def _forward_query_block(q_BxKxGxTxH, sources, offsets, q_start, block_k: int, dtype):
+  """Online softmax of one query block over every key block -> (out f32, log-sum-exp f32).
+
+  `offsets[i]` is `_offset` of source i before padding.
+  """
   b, kh, g, tq, h = q_BxKxGxTxH.shape
   scale = 1 / math.sqrt(h)
   carry = (jnp.full((b, kh, g, tq), MASK_VALUE, jnp.float32),  # running max
            jnp.zeros((b, kh, g, tq), jnp.float32),  # running sum of exp(score - max)
            jnp.zeros((b, kh, g, tq, h), jnp.float32))  # running sum of exp(score - max) * v
 
-  for src in sources:
-    def step(carry, j, src=src):
+  for src, offset in zip(sources, offsets):
+    def step(carry, j, src=src, q_start=q_start + offset):
       k_blk, v_blk, valid_blk = _key_block(src, j, block_k)
       k_start = j * block_k
 
@@ -171,11 +183,12 @@ def _blockwise_forward(q_BxTxKxGxH, sources, block_q: int, block_k: int, dtype):
   """-> (out [B,T,K,G,H] in `dtype`, log-sum-exp [B,K,G,T] f32); pads T and S to whole blocks."""
   t = q_BxTxKxGxH.shape[1]
   q_BxKxGxTxH = _pad_to(q_BxTxKxGxH, 1, block_q).transpose(0, 2, 3, 1, 4)
+  offsets = [_offset(src, t) for src in sources]
   sources = [_padded_source(src, block_k) for src in sources]
 
   def query_block(_, i):
     q_blk = jax.lax.dynamic_slice_in_dim(q_BxKxGxTxH, i * block_q, block_q, 3)
-    out, lse = _forward_query_block(q_blk, sources, i * block_q, block_k, dtype)
+    out, lse = _forward_query_block(q_blk, sources, offsets, i * block_q, block_k, dtype)
     return None, (out.astype(dtype), lse)
 
   _, (out_QxBxKxGxTxH, lse_QxBxKxGxT) = jax.lax.scan(
@@ -188,7 +201,8 @@ def _blockwise_forward(q_BxTxKxGxH, sources, block_q: int, block_k: int, dtype):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _causal_blockwise(q_BxTxKxGxH, k_BxKxSxH, v_BxKxSxH, valid_BxS, block_q, block_k, dtype):
-  """Self-attention of a sequence (one causal source), differentiable in O(T) memory."""
+  """Attention over one causal source (a sequence, or a chunk behind its prefix's keys),
+  differentiable in O(S) memory."""
   return _blockwise_forward(q_BxTxKxGxH, [KeySource(k_BxKxSxH, v_BxKxSxH, valid_BxS, True)],
                             block_q, block_k, dtype)[0]
 
@@ -202,6 +216,7 @@ def _causal_blockwise_bwd(block_q, block_k, dtype, residuals, dout_BxTxKxGxH):
   """Flash-attention backward: per block pair, probabilities from the saved log-sum-exp."""
   q, k, v, valid, out, lse = residuals
   t, h = q.shape[1], q.shape[-1]
+  offset = _offset(KeySource(k, v, valid, True), t)
   scale = 1 / math.sqrt(h)
   # D_t = sum_h dO * O, the softmax Jacobian's correction term.
   delta_BxKxGxT = jnp.einsum("btkgh,btkgh->bkgt", dout_BxTxKxGxH.astype(jnp.float32),
@@ -214,8 +229,8 @@ def _causal_blockwise_bwd(block_q, block_k, dtype, residuals, dout_BxTxKxGxH):
   s_pad = src.k_BxKxSxH.shape[2]
 
   def query_block(carry, i):
-    q_start = i * block_q
-    sl = lambda x: jax.lax.dynamic_slice_in_dim(x, q_start, block_q, 3)
+    sl = lambda x: jax.lax.dynamic_slice_in_dim(x, i * block_q, block_q, 3)
+    q_start = i * block_q + offset  # Key index of the block's first query.
     q_blk, do_blk, lse_blk, delta_blk = sl(q_BxKxGxTxH), sl(do_BxKxGxTxH), sl(lse_BxKxGxT), sl(
         delta_BxKxGxT)
 
@@ -277,13 +292,14 @@ def attend(q_BxTxKxGxH, sources, *, impl: str, block_q: int, block_k: int, dtype
   than one block pair's (short sequences, decode chunks), and a single query (a decode step)
   takes `single_query_attention` under every `impl` but the "dense" reference. "xla" / "cudnn"
   call `jax.nn.dot_product_attention` for the uncached causal case (one causal source, T == S)
-  and use the blockwise kernel otherwise.
+  and use the blockwise kernel otherwise. One causal source takes the kernel's custom VJP
+  (training memory O(S)); several sources are differentiated through the forward kernel.
   """
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"attention_impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
   t = q_BxTxKxGxH.shape[1]
-  self_attention = (len(sources) == 1 and sources[0].causal
-                    and sources[0].k_BxKxSxH.shape[2] == t)
+  one_causal = len(sources) == 1 and sources[0].causal
+  self_attention = one_causal and sources[0].k_BxKxSxH.shape[2] == t
   if impl in ("xla", "cudnn") and self_attention:
     return _fused(q_BxTxKxGxH, sources[0], impl, dtype)
   if t == 1 and impl != "dense":
@@ -295,8 +311,8 @@ def attend(q_BxTxKxGxH, sources, *, impl: str, block_q: int, block_k: int, dtype
   if impl == "dense" or small:
     return dense_attention(q_BxTxKxGxH, sources, dtype)
   block_q = _balanced_block(block_q, t)
-  if self_attention:
-    block_k = _balanced_block(block_k, t)
+  if one_causal:
+    block_k = _balanced_block(block_k, sources[0].k_BxKxSxH.shape[2])
     src = sources[0]
     return _causal_blockwise(q_BxTxKxGxH, src.k_BxKxSxH, src.v_BxKxSxH, src.valid_BxS, block_q,
                              block_k, jnp.dtype(dtype))

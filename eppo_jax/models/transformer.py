@@ -109,6 +109,7 @@ class Linear(nn.Module):
 
 class Attention(nn.Module):
   config: ModelConfig
+  prefix_cache: bool = False  # See `Transformer.prefix_cache`.
 
   @nn.compact
   def __call__(self, x_BxTxD, sin, cos, token_mask_BxT, kv_cache):
@@ -137,8 +138,13 @@ class Attention(nn.Module):
       cache_k, cache_v, cache_valid_BxS = kv_cache  # [B,K,S,H], [B,K,S,H], [B,S]
       # Round-trip through the cache dtype, so the chunk is seen exactly as later reads will see it.
       k_BxKxTxH, v_BxKxTxH = k_BxKxTxH.astype(cache_k.dtype), v_BxKxTxH.astype(cache_v.dtype)
-      sources.append(KeySource(cache_k, cache_v, cache_valid_BxS, causal=False))
       new_cache = (k_BxKxTxH, v_BxKxTxH)
+      if self.prefix_cache:  # One causal sequence of S + T keys, the queries its last T.
+        cat = lambda a, b: jnp.concatenate([a, b], axis=-2)
+        k_BxKxTxH, v_BxKxTxH = cat(cache_k, k_BxKxTxH), cat(cache_v, v_BxKxTxH)
+        token_mask_BxT = jnp.concatenate([cache_valid_BxS, token_mask_BxT], axis=1)
+      else:
+        sources.append(KeySource(cache_k, cache_v, cache_valid_BxS, causal=False))
     sources.append(KeySource(k_BxKxTxH, v_BxKxTxH, token_mask_BxT, causal=True))
     out = attend(q_BxTxKxGxH, sources, impl=cfg.attention_impl, block_q=cfg.attention_block_q,
                  block_k=cfg.attention_block_k, dtype=cfg.compute_dtype)
@@ -162,6 +168,7 @@ class DecoderLayer(nn.Module):
   returned cache is this layer's (k, v) of the new chunk (written by `forward_with_cache`)."""
 
   config: ModelConfig
+  prefix_cache: bool = False
 
   @nn.compact
   def __call__(self, x_BxTxD, sin, cos, token_mask_BxT, kv_cache, cache_valid_BxS):
@@ -169,7 +176,7 @@ class DecoderLayer(nn.Module):
     x_BxTxD = mesh.constrain_rows(x_BxTxD)  # On a mesh: gather this layer's weights, not rows.
     norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.weight_dtype, name=name)
     layer_cache = None if kv_cache is None else (*kv_cache, cache_valid_BxS)
-    attn_out, new_cache = Attention(cfg, name="self_attn")(
+    attn_out, new_cache = Attention(cfg, self.prefix_cache, name="self_attn")(
         norm("input_layernorm")(x_BxTxD), sin, cos, token_mask_BxT, layer_cache)
     x_BxTxD = x_BxTxD + attn_out
     x_BxTxD = x_BxTxD + MLP(cfg, name="mlp")(norm("post_attention_layernorm")(x_BxTxD))
@@ -185,9 +192,15 @@ class Transformer(nn.Module):
   `head` picks the output: "logits" at every position [B,T,V], "last" for the last position only
   [B,1,V] (a left-padded prefill needs no more), or "hidden", the final-norm hidden states [B,T,D]
   for a caller that applies the LM head itself (in chunks, see `eppo_jax.logprobs`).
+
+  With `prefix_cache`, `kv_cache` holds the keys and values of exactly the S positions before the
+  chunk, in order (no unused slots): the update's shared prompt (`prefix_hidden_states`). The
+  chunk then attends over one causal sequence of S + T keys, the case the blockwise kernel
+  differentiates in O(S) memory. Either way a call with a cache returns the chunk's own (k, v).
   """
 
   config: ModelConfig
+  prefix_cache: bool = False
 
   @nn.compact
   def __call__(self, tokens_BxT, positions_BxT, token_mask_BxT, kv_cache=None,
@@ -213,8 +226,8 @@ class Transformer(nn.Module):
       new_k, new_v = [], []
       for l, p in enumerate(per_layer):
         layer_cache = None if kv_cache is None else (kv_cache[0][l], kv_cache[1][l])
-        x_BxTxD, c = DecoderLayer(cfg).apply({"params": p}, x_BxTxD, sin, cos, token_mask_BxT,
-                                             layer_cache, cache_valid_BxS)
+        x_BxTxD, c = DecoderLayer(cfg, self.prefix_cache).apply(
+            {"params": p}, x_BxTxD, sin, cos, token_mask_BxT, layer_cache, cache_valid_BxS)
         if c is not None:
           new_k.append(c[0])
           new_v.append(c[1])
@@ -224,8 +237,8 @@ class Transformer(nn.Module):
       layers = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
                        in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0, nn.broadcast),
                        length=cfg.num_layers)
-      x_BxTxD, new_cache = layers(cfg, name="layers")(x_BxTxD, sin, cos, token_mask_BxT, kv_cache,
-                                                      cache_valid_BxS)
+      x_BxTxD, new_cache = layers(cfg, self.prefix_cache, name="layers")(
+          x_BxTxD, sin, cos, token_mask_BxT, kv_cache, cache_valid_BxS)
 
     x_BxTxD = RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.weight_dtype, name="norm")(x_BxTxD)
     if head == "hidden" and not self.is_initializing():
@@ -313,6 +326,35 @@ def logits(params: Params, config: ModelConfig, tokens_BxT, attention_mask_BxT,
 def hidden_states(params: Params, config: ModelConfig, tokens_BxT, attention_mask_BxT) -> jax.Array:
   """Like `logits` but stops before the LM head: final-norm hidden states [B,T,D] (compute dtype)."""
   return logits(params, config, tokens_BxT, attention_mask_BxT, head="hidden")
+
+
+def prefix_hidden_states(params: Params, config: ModelConfig, tokens_BxT, attention_mask_BxT,
+                         prefix: int, group: int) -> jax.Array:
+  """`hidden_states(...)[:, prefix:]` ([B,T-prefix,D]), with the first `prefix` tokens run once
+  per group of `group` consecutive rows: the caller guarantees that the rows of a group hold the
+  same first `prefix` tokens and mask (a GRPO group's prompt). Their keys and values are computed
+  on one row per group and repeated to the group's rows, so gradients through them sum over the
+  group, as they do through G separate copies.
+  """
+  b, t = tokens_BxT.shape
+  if not 0 < prefix < t or b % group:
+    raise ValueError(f"prefix {prefix} of {t} tokens, {b} rows in groups of {group}")
+  valid_BxT = attention_mask_BxT.astype(bool)
+  positions_BxT = positions_from_mask(valid_BxT)
+  model = Transformer(config, prefix_cache=True)
+  params = layer_params(params, config)
+  lead = slice(None, None, group)  # The first row of each group: [B/G, ...].
+  empty = jnp.zeros((config.num_layers, b // group, config.num_kv_heads, 0, config.head_dim),
+                    config.compute_dtype)
+  _, (k_LxBgxKxPxH, v_LxBgxKxPxH) = model.apply(  # Bg = B / group rows.
+      params, tokens_BxT[lead, :prefix], positions_BxT[lead, :prefix], valid_BxT[lead, :prefix],
+      (empty, empty), valid_BxT[lead, :0], head="hidden")
+  repeat = lambda x: jnp.repeat(x, group, axis=1)  # [L,Bg,...] -> [L,B,...]
+  hidden_BxTxD, _ = model.apply(
+      params, tokens_BxT[:, prefix:], positions_BxT[:, prefix:], valid_BxT[:, prefix:],
+      (repeat(k_LxBgxKxPxH), repeat(v_LxBgxKxPxH)), jnp.repeat(valid_BxT[lead, :prefix], group, 0),
+      head="hidden")
+  return hidden_BxTxD
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
