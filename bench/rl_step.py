@@ -27,6 +27,8 @@ process's mean timed step, split into generate / reward / update. Throughput cou
 tokens actually generated. `--old-logprobs` picks where our update takes the old-policy log-probs
 from (`StepConfig.old_logprobs`: "recompute", a teacher-forced pass, or "sampler", the rollout's
 own numbers); with an eppo_jax that has no such field the update always recomputes them.
+`--share-prompt on` (the trainer's default, `optim.share_prompt`) runs each group's prompt once in
+our update instead of once per completion (`StepConfig.shared_prefix`); TRL runs it per completion.
 """
 
 from __future__ import annotations
@@ -143,17 +145,32 @@ class OurStep:
       return (out.tokens, out.mask) + ((out.logprobs, out.entropies) if from_sampler else ())
 
     pacing_cfg, loss_cfg = objective.method_configs("grpo")  # Fixed clip 0.2, as TRL's epsilon.
-    cfg = steps.StepConfig(model=model, pacing=pacing_cfg, loss=loss_cfg, num_tasks=1,
-                           num_groups=args.prompts, temperature=1.0,
-                           num_minibatches=args.minibatches, **extra)
-    tx = make_optimizer(LR, 0, 0.0, 1.0)
+    self.cfg = steps.StepConfig(model=model, pacing=pacing_cfg, loss=loss_cfg, num_tasks=1,
+                                num_groups=args.prompts, temperature=1.0,
+                                num_minibatches=args.minibatches, **extra)
+    self.tx = tx = make_optimizer(LR, 0, 0.0, 1.0)
     state = steps.TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable,
                              opt_state=tx.init(trainable), pacing=pacing.init_pacing(1))
     self.state, self.frozen = parallel.replicate(state), parallel.replicate(frozen)
     self.p_sample = jax.pmap(sample, axis_name=parallel.AXIS)
-    self.p_train = jax.pmap(functools.partial(steps.train_step, cfg=cfg, tx=tx),
-                            axis_name=parallel.AXIS, donate_argnums=(0,))
+    self.updates, self.steps_lib = {}, steps
+    # As the trainer (`optim.share_prompt`): each group's prompt runs once in the update, where
+    # this eppo_jax can and every device's minibatches hold whole groups.
+    per_minibatch = args.prompts * args.group // jax.local_device_count() // args.minibatches
+    self.share_prompt = (args.share_prompt == "on" and not per_minibatch % args.group
+                         and "shared_prefix" in {f.name for f in dataclasses.fields(steps.StepConfig)})
+    self.shared = set()  # The shared prefix lengths used.
     self.key = jax.random.PRNGKey(0)
+
+  def update_fn(self, shared: int):
+    """The pmapped update for a batch whose groups share their first `shared` tokens."""
+    if shared not in self.updates:
+      cfg = self.cfg if not shared else dataclasses.replace(self.cfg, shared_prefix=shared,
+                                                            group_size=self.args.group)
+      self.updates[shared] = self.jax.pmap(
+          functools.partial(self.steps_lib.train_step, cfg=cfg, tx=self.tx),
+          axis_name=self.parallel.AXIS, donate_argnums=(0,))
+    return self.updates[shared]
 
   def encode(self, texts) -> list[list[int]]:
     """Prompt token ids; the chat template already holds every special token."""
@@ -185,7 +202,14 @@ class OurStep:
       batch.update({k: np.concatenate([zeros_BxP, x_BxN], 1)
                     for k, x_BxN in zip(("logprobs", "entropies"), scores)})
     keys = parallel.replicate(jax.random.fold_in(self.key, 2 * i + 1))
-    self.state, metrics = self.p_train(self.state, self.frozen, parallel.shard(batch), keys)
+    shared = 0
+    if self.share_prompt:
+      # Multiples of 8: every step's prompts have one padded width, so this is one value.
+      shared = self.steps_lib.shared_prefix_length(batch["tokens"], batch["attention_mask"],
+                                               batch["loss_mask"], g, multiple=8)
+    self.shared.add(shared)
+    self.state, metrics = self.update_fn(shared)(self.state, self.frozen, parallel.shard(batch),
+                                                 keys)
     jax.block_until_ready((self.state, metrics))
     end = time.perf_counter()
     return dict(total=end - start, generate=generated - start, reward=rewarded - generated,
@@ -222,7 +246,8 @@ def ours_worker(args) -> dict:
   records = [ours.step(s, ids[s * b:(s + 1) * b], seeds[s * b:(s + 1) * b], width)
              for s in range(args.warmup + args.steps)]
   lengths = [len(x) for x in ids]
-  return dict(records=records, old_logprobs=ours.old_logprobs, jax=jax.__version__,
+  return dict(records=records, old_logprobs=ours.old_logprobs, shared=sorted(ours.shared),
+              jax=jax.__version__,
               platform=jax.devices()[0].platform, prompt_lengths=[min(lengths), max(lengths)],
               width=width)
 
@@ -332,7 +357,7 @@ def worker_argv(side: str, model_dir: str, args, threads: int = 0) -> list[str]:
           "--prompts", str(args.prompts), "--group", str(args.group),
           "--new-tokens", str(args.new_tokens), "--minibatches", str(args.minibatches),
           "--warmup", str(args.warmup), "--steps", str(args.steps),
-          "--old-logprobs", args.old_logprobs]
+          "--old-logprobs", args.old_logprobs, "--share-prompt", args.share_prompt]
 
 
 def main():
@@ -347,6 +372,8 @@ def main():
   parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per RL step")
   parser.add_argument("--old-logprobs", default="recompute", choices=("recompute", "sampler"),
                       help="where our update takes the old-policy log-probs from")
+  parser.add_argument("--share-prompt", default="on", choices=("on", "off"),
+                      help="our update runs each group's prompt once (optim.share_prompt)")
   parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
   parser.add_argument("--steps", type=int, default=3, help="timed steps")
   parser.add_argument("--repeats", type=int, default=3,
@@ -387,7 +414,8 @@ def main():
         f"prompts of {info['prompt_lengths'][0]}-{info['prompt_lengths'][1]} tokens (ours padded "
         f"to {info['width']}), {args.minibatches} optimizer steps per RL step, {args.warmup} "
         f"warm-up + {args.steps} timed steps")
-  print(f"our old log-probs: {info['old_logprobs']}")
+  print(f"our old log-probs: {info['old_logprobs']}; prompt tokens run once per group in our "
+        f"update: {info.get('shared', [0])}")
   rows = {"eppo_jax": [summarize(r, args.warmup) for r in runs["ours"]]}
   for n in settings:
     rows[f"TRL @ {common.setting_name(n, default_threads)}"] = [
