@@ -204,9 +204,9 @@ class OurStep:
     keys = parallel.replicate(jax.random.fold_in(self.key, 2 * i + 1))
     shared = 0
     if self.share_prompt:
-      # Multiples of 8: every step's prompts have one padded width, so this is one value.
+      # Every step's prompts have one padded width W, so this is one value (W - 1) unrounded.
       shared = self.steps_lib.shared_prefix_length(batch["tokens"], batch["attention_mask"],
-                                               batch["loss_mask"], g, multiple=8)
+                                               batch["loss_mask"], g, multiple=1)
     self.shared.add(shared)
     self.state, metrics = self.update_fn(shared)(self.state, self.frozen, parallel.shard(batch),
                                                  keys)
