@@ -23,6 +23,7 @@ from eppo_jax.sampling import SamplingConfig
 MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1,
                     num_heads=4, num_kv_heads=2, head_dim=8, attention_bias=True)
 B, T, K, G = 16, 20, 3, 2
+PROMPT = 6  # Tokens each group's rows share: the update runs them once per group.
 
 
 def _model():
@@ -39,10 +40,11 @@ def _batch(seed: int) -> dict:
   rng = np.random.default_rng(seed)
   pos = np.arange(T)[None]
   attention = pos < rng.integers(T // 2, T + 1, size=B)[:, None]
-  loss = attention & (pos >= rng.integers(3, 8, size=B)[:, None])
+  loss = attention & (pos >= rng.integers(PROMPT, PROMPT + 4, size=B)[:, None])
   group_ids = np.repeat(np.arange(B // G), G).astype(np.int32)
-  return dict(tokens=rng.integers(1, MODEL.vocab_size, size=(B, T)).astype(np.int32),
-              attention_mask=attention, loss_mask=loss,
+  tokens = rng.integers(1, MODEL.vocab_size, size=(B, T)).astype(np.int32)
+  tokens[:, :PROMPT] = tokens[::G, :PROMPT].repeat(G, axis=0)  # A group's episodes share a prompt.
+  return dict(tokens=tokens, attention_mask=attention, loss_mask=loss,
               task_ids=(group_ids % K).astype(np.int32), group_ids=group_ids,
               rewards=rng.normal(size=B).astype(np.float32))
 
@@ -55,9 +57,14 @@ def _max_diff(a, b) -> float:
 def train_steps(mesh, model, trainable, frozen, tx):
   """3 RL steps and 1 SFT step on `mesh` -> (state, metrics of the last step, SFT trainable)."""
   pc, lc = objective.method_configs("eppo")
+  batches = [_batch(i) for i in range(3)]
+  shared = min(steps.shared_prefix_length(b["tokens"], b["attention_mask"], b["loss_mask"], G,
+                                          multiple=1) for b in batches)
+  assert shared == PROMPT - 1, shared
   cfg = steps.StepConfig(model=model, pacing=pc, loss=lc, num_tasks=K, num_groups=B // G,
                          num_minibatches=2, axis_name=None,
-                         minibatch_sharding=meshlib.minibatch_sharding(mesh))
+                         minibatch_sharding=meshlib.minibatch_sharding(mesh),
+                         shared_prefix=shared, group_size=G)
   state = steps.TrainState(step=np.zeros((), np.int32), trainable=trainable,
                            opt_state=tx.init(trainable), pacing=pacing.init_pacing(K))
   state_sh, frozen_sh = meshlib.shardings(state, mesh), meshlib.shardings(frozen, mesh)
@@ -70,7 +77,7 @@ def train_steps(mesh, model, trainable, frozen, tx):
   sft_batch = {k: v for k, v in _batch(9).items() if k in ("tokens", "attention_mask", "loss_mask")}
   with jax.set_mesh(mesh):  # As the trainer runs them (activations pinned to their rows).
     for i in range(3):
-      state, metrics = step(state, frozen, meshlib.put_rows(_batch(i), mesh),
+      state, metrics = step(state, frozen, meshlib.put_rows(batches[i], mesh),
                             jax.random.PRNGKey(i))
     sft_trainable, _, _ = sft(state.trainable, state.opt_state, frozen,
                               meshlib.put_rows(sft_batch, mesh))

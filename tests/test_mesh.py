@@ -1,8 +1,9 @@
 """A (data=2, fsdp=2, tensor=2) mesh of 8 CPU devices computes what 1 device computes.
 
 The 8-device checks run in a subprocess (the test session itself has 4 devices, see conftest):
-3 `train_step`s and an SFT step with LoRA, a greedy multi-turn rollout through `ModelPolicy`, and a
-checkpoint written on one mesh and restored on another, each against a 1-device mesh.
+3 `train_step`s (each group's prompt shared) and an SFT step with LoRA, a greedy multi-turn
+rollout through `ModelPolicy`, and a checkpoint written on one mesh and restored on another, each
+against a 1-device mesh.
 """
 
 import json

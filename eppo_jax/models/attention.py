@@ -12,11 +12,10 @@ the two.
 
 The blockwise kernel walks query blocks x key blocks with a running max and sum in float32, and
 skips key blocks above the causal diagonal and blocks without a valid key (the unused tail of a
-cache). No `[B, heads, T, S]` array exists: its temporaries scale with one block pair. The
-case of one causal source (a sequence, or a chunk behind its prefix) has a custom VJP of the same
-structure (the flash-attention backward,
-recomputing each block's probabilities from the saved log-sum-exp), so training memory does not
-grow with T^2 either.
+cache). No `[B, heads, T, S]` array exists: its temporaries scale with one block pair. The case
+of one causal source (a sequence, or a chunk behind its prefix) has a custom VJP of the same
+structure (the flash-attention backward, recomputing each block's probabilities from the saved
+log-sum-exp), so training memory does not grow with T x S either.
 
 A fully masked query row (a pad) gets a uniform average of the values it visited, never NaN; its
 output differs between implementations and is never read by a valid position.

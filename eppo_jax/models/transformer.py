@@ -343,16 +343,25 @@ def prefix_hidden_states(params: Params, config: ModelConfig, tokens_BxT, attent
   positions_BxT = positions_from_mask(valid_BxT)
   model = Transformer(config, prefix_cache=True)
   params = layer_params(params, config)
-  lead = slice(None, None, group)  # The first row of each group: [B/G, ...].
-  empty = jnp.zeros((config.num_layers, b // group, config.num_kv_heads, 0, config.head_dim),
+  bg = b // group
+  # Reshapes rather than strided slices: on a mesh whose devices hold whole groups of rows, taking
+  # each group's first row and repeating it back stay local to each device.
+  lead = lambda x_BxP: x_BxP.reshape((bg, group) + x_BxP.shape[1:])[:, 0]  # [Bg,P] (Bg = B/G)
+  empty = jnp.zeros((config.num_layers, bg, config.num_kv_heads, 0, config.head_dim),
                     config.compute_dtype)
-  _, (k_LxBgxKxPxH, v_LxBgxKxPxH) = model.apply(  # Bg = B / group rows.
-      params, tokens_BxT[lead, :prefix], positions_BxT[lead, :prefix], valid_BxT[lead, :prefix],
-      (empty, empty), valid_BxT[lead, :0], head="hidden")
-  repeat = lambda x: jnp.repeat(x, group, axis=1)  # [L,Bg,...] -> [L,B,...]
+  prompt = lambda x_BxT: lead(x_BxT[:, :prefix])
+  _, (k_LxBgxKxPxH, v_LxBgxKxPxH) = model.apply(
+      params, prompt(tokens_BxT), prompt(positions_BxT), prompt(valid_BxT), (empty, empty),
+      prompt(valid_BxT)[:, :0], head="hidden")
+
+  def repeat(x, axis: int):  # [..., Bg, ...] -> [..., B, ...], each group's row G times.
+    x = jnp.expand_dims(x, axis + 1)
+    shape = x.shape[:axis + 1] + (group,) + x.shape[axis + 2:]
+    return jnp.broadcast_to(x, shape).reshape(x.shape[:axis] + (b,) + x.shape[axis + 2:])
+
   hidden_BxTxD, _ = model.apply(
       params, tokens_BxT[:, prefix:], positions_BxT[:, prefix:], valid_BxT[:, prefix:],
-      (repeat(k_LxBgxKxPxH), repeat(v_LxBgxKxPxH)), jnp.repeat(valid_BxT[lead, :prefix], group, 0),
+      (repeat(k_LxBgxKxPxH, 1), repeat(v_LxBgxKxPxH, 1)), repeat(prompt(valid_BxT), 0),
       head="hidden")
   return hidden_BxTxD
 
