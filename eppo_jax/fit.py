@@ -4,7 +4,8 @@ r"""Does a preset fit a slice? AOT-compiles its train step and one rollout turn 
   python -m eppo_jax.fit --config=configs/multitask.py:smoke --topology=cpu:8
 
 No weights are loaded and nothing runs: the programs the trainer runs (`steps.train_step` on the
-preset's global batch, `policy.compiled_turn` on its rollout batch and KV cache) are lowered on
+preset's global batch, whole rows and, with `optim.share_prompt`, each group's prompt run once;
+`policy.compiled_turn` on its rollout batch and KV cache) are lowered on
 abstract shapes (`jax.ShapeDtypeStruct`s carrying the mesh shardings of `eppo_jax.mesh`) and
 compiled for the topology, then `memory_analysis()` gives the bytes each device needs. A TPU
 topology (`v5e:4x4`, `v5p:2x2x2`, `v6e:2x4`, ...) needs libtpu (`pip install -e '.[fit]'`) but no
@@ -67,7 +68,8 @@ config_flags.DEFINE_config_file("config", "configs/multitask.py", "Training conf
 flags.DEFINE_string("topology", "", "TPU topology (v5e:4x4, v5p:2x2x2, ...) or cpu:N; default: "
                     "the preset's config.mesh.slice.")
 flags.DEFINE_integer("prompt_tokens", 512, "Chunk length of the rollout turn compiled (the first "
-                     "turn's prompt, left-padded to a bucket; at most rollout.prefill_chunk).")
+                     "turn's prompt, left-padded to a bucket; at most rollout.prefill_chunk), and "
+                     "the prompt that the update's shared-prompt variant runs once per group.")
 flags.DEFINE_float("hbm_gib", 0.0, "Memory per device to check against; 0 = the chip's HBM.")
 flags.DEFINE_list("programs", ["train", "rollout"], "Which programs to compile.")
 flags.DEFINE_string("json", "", "Also write the results to this JSON file.")
@@ -174,13 +176,15 @@ def _measure(program: str, lower) -> Fit:
   return fit
 
 
-def compile_train(config, model_cfg, mesh) -> Fit:
-  """The RL update of one step: `steps.train_step` on the preset's global batch."""
+def compile_train(config, model_cfg, mesh, shared_prefix: int = 0) -> Fit:
+  """The RL update of one step: `steps.train_step` on the preset's global batch; with
+  `shared_prefix`, the variant that runs each group's first tokens once (`optim.share_prompt`)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from eppo_jax import mesh as meshlib, pacing, steps, train  # pylint: disable=g-import-not-at-top
   r, o = config.rollout, config.optim
   step_cfg = train.step_config(config, model_cfg, mesh)  # What the trainer compiles.
+  step_cfg = dataclasses.replace(step_cfg, shared_prefix=shared_prefix, group_size=r.group_size)
   tx = train.make_optimizer(o.learning_rate, o.warmup_steps, o.weight_decay, o.grad_clip)
   trainable, frozen = _abstract_params(model_cfg, mesh)
   state = jax.eval_shape(lambda t: steps.TrainState(
@@ -201,8 +205,8 @@ def compile_train(config, model_cfg, mesh) -> Fit:
                              meshlib.replicated(mesh)),
                out_shardings=(state_sh, meshlib.replicated(mesh)), donate_argnums=(0,))
   with jax.set_mesh(mesh):  # Traced as `train.train` traces it (see `mesh.constrain_rows`).
-    return _measure("train_step", lambda: fn.lower(_abstract(state, state_sh), frozen, batch,
-                                                   key))
+    return _measure("train_shared" if shared_prefix else "train_step",
+                    lambda: fn.lower(_abstract(state, state_sh), frozen, batch, key))
 
 
 def compile_rollout(config, model_cfg, mesh, prompt_tokens: int) -> Fit:
@@ -236,7 +240,7 @@ def compile_rollout(config, model_cfg, mesh, prompt_tokens: int) -> Fit:
 def check(config, topology: str, prompt_tokens: int = 512, hbm_gib: float = 0.0,
           programs=("train", "rollout")) -> dict:
   """Compiles the preset's programs for `topology` -> {mesh, devices, hbm_gib, fits: [Fit]}."""
-  from eppo_jax import mesh as meshlib  # pylint: disable=g-import-not-at-top
+  from eppo_jax import mesh as meshlib, train  # pylint: disable=g-import-not-at-top
   devices = topology_devices(topology)
   mesh = meshlib.make_mesh(config.mesh, devices)
   # The layer loop's layout follows the platform it runs on (`ModelConfig.unroll_layers`), which
@@ -245,6 +249,9 @@ def check(config, topology: str, prompt_tokens: int = 512, hbm_gib: float = 0.0,
   fits = []
   if "train" in programs:
     fits.append(compile_train(config, model_cfg, mesh))
+    if train.shares_prompt(config):  # Batches whose groups share a prompt of `prompt_tokens`.
+      shared = min(prompt_tokens, config.rollout.max_episode_tokens // 2)
+      fits.append(compile_train(config, model_cfg, mesh, shared - shared % 32))
   if "rollout" in programs:
     fits.append(compile_rollout(config, model_cfg, mesh, prompt_tokens))
   return dict(topology=topology, device_kind=devices[0].device_kind, devices=len(devices),

@@ -137,6 +137,13 @@ def step_config(config: ml_collections.ConfigDict, model_cfg,
       old_logprobs=config.optim.old_logprobs, **mesh_fields)
 
 
+def shares_prompt(config) -> bool:
+  """Whether the update runs each group's prompt once (`optim.share_prompt`): it needs minibatches
+  of whole groups (the global batch of instances x group_size splits into num_minibatches)."""
+  return bool(config.optim.share_prompt
+              and not config.rollout.instances_per_step % config.optim.num_minibatches)
+
+
 def make_optimizer(lr: float, warmup: int, weight_decay: float, grad_clip: float):
   schedule = optax.linear_schedule(0.0, lr, max(warmup, 1)) if warmup else lr
   return optax.chain(optax.clip_by_global_norm(grad_clip),
@@ -387,8 +394,7 @@ def _train(config: ml_collections.ConfigDict, workdir: Path,
                  shared_prefix)
     return updates[shared_prefix]
 
-  # Minibatches of whole groups (the global batch splits into num_minibatches in order).
-  share_prompt = config.optim.share_prompt and not r.instances_per_step % config.optim.num_minibatches
+  share_prompt = shares_prompt(config)
   host_instances = r.instances_per_step // jax.process_count()
   bad_steps = 0
 

@@ -49,8 +49,11 @@ def test_fit_reports_the_per_device_bytes_of_the_sharded_train_step(tmp_path):
   assert "train_step" in proc.stdout and "does not fit" in proc.stdout, proc.stdout
   result = json.loads(out.read_text())
   assert result["devices"] == 8 and result["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
-  (train_fit,) = result["fits"]
-  assert not train_fit["error"]
+  # Whole rows, and each group's prompt run once (the smoke preset shares prompts).
+  train_fit, shared_fit = result["fits"]
+  assert train_fit["program"] == "train_step" and shared_fit["program"] == "train_shared"
+  assert not train_fit["error"] and not shared_fit["error"]
+  assert shared_fit["arguments"] == train_fit["arguments"]  # Same state, weights and batch.
 
   # The same inputs, sized shard by shard here: state, frozen weights and batch rows.
   config = multitask.get_config("smoke")
