@@ -157,8 +157,9 @@ class OurStep:
     # As the trainer (`optim.share_prompt`): each group's prompt runs once in the update, where
     # this eppo_jax can and every device's minibatches hold whole groups.
     per_minibatch = args.prompts * args.group // jax.local_device_count() // args.minibatches
+    fields = {f.name for f in dataclasses.fields(steps.StepConfig)}
     self.share_prompt = (args.share_prompt == "on" and not per_minibatch % args.group
-                         and "shared_prefix" in {f.name for f in dataclasses.fields(steps.StepConfig)})
+                         and "shared_prefix" in fields)
     self.shared = set()  # The shared prefix lengths used.
     self.key = jax.random.PRNGKey(0)
 

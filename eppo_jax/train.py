@@ -377,14 +377,14 @@ def _train(config: ml_collections.ConfigDict, workdir: Path,
 
   keys = named_keys(config.seed)
   rollout_key, train_key, eval_key = keys["rollout"], keys["train"], keys["eval"]
-  updates = {}
+  update_fns = {}
 
   def update_fn(shared_prefix: int):
     """The jitted update for batches whose groups share their first `shared_prefix` tokens (one
     compilation per value; `steps.shared_prefix_length` rounds it to few values)."""
-    if shared_prefix not in updates:
+    if shared_prefix not in update_fns:
       cfg = dataclasses.replace(step_cfg, shared_prefix=shared_prefix, group_size=r.group_size)
-      updates[shared_prefix] = jax.jit(
+      update_fns[shared_prefix] = jax.jit(
           functools.partial(steps.train_step, cfg=cfg, tx=tx),
           in_shardings=(state_sh, meshlib.shardings(run.frozen, mesh),
                         meshlib.batch_sharding(mesh), meshlib.replicated(mesh)),
@@ -392,7 +392,7 @@ def _train(config: ml_collections.ConfigDict, workdir: Path,
       if shared_prefix:
         log.info("update: each group's first %d tokens (its prompt) run once per group",
                  shared_prefix)
-    return updates[shared_prefix]
+    return update_fns[shared_prefix]
 
   share_prompt = shares_prompt(config)
   host_instances = r.instances_per_step // jax.process_count()
