@@ -383,7 +383,8 @@ def _train(config: ml_collections.ConfigDict, workdir: Path,
     """The jitted update for batches whose groups share their first `shared_prefix` tokens (one
     compilation per value; `steps.shared_prefix_length` rounds it to few values)."""
     if shared_prefix not in update_fns:
-      cfg = dataclasses.replace(step_cfg, shared_prefix=shared_prefix, group_size=r.group_size)
+      cfg = dataclasses.replace(step_cfg, shared_prefix=shared_prefix,
+                                group_size=r.group_size if shared_prefix else 1)
       update_fns[shared_prefix] = jax.jit(
           functools.partial(steps.train_step, cfg=cfg, tx=tx),
           in_shardings=(state_sh, meshlib.shardings(run.frozen, mesh),

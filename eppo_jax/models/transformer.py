@@ -346,13 +346,13 @@ def prefix_hidden_states(params: Params, config: ModelConfig, tokens_BxT, attent
   bg = b // group
   # Reshapes rather than strided slices: on a mesh whose devices hold whole groups of rows, taking
   # each group's first row and repeating it back stay local to each device.
-  lead = lambda x_BxP: x_BxP.reshape((bg, group) + x_BxP.shape[1:])[:, 0]  # [Bg,P] (Bg = B/G)
+  prompt = lambda x_BxT: x_BxT[:, :prefix].reshape((bg, group, prefix))[:, 0]  # [Bg,P], Bg = B/G
+  valid_BgxP = prompt(valid_BxT)
   empty = jnp.zeros((config.num_layers, bg, config.num_kv_heads, 0, config.head_dim),
                     config.compute_dtype)
-  prompt = lambda x_BxT: lead(x_BxT[:, :prefix])
   _, (k_LxBgxKxPxH, v_LxBgxKxPxH) = model.apply(
-      params, prompt(tokens_BxT), prompt(positions_BxT), prompt(valid_BxT), (empty, empty),
-      prompt(valid_BxT)[:, :0], head="hidden")
+      params, prompt(tokens_BxT), prompt(positions_BxT), valid_BgxP, (empty, empty),
+      valid_BgxP[:, :0], head="hidden")
 
   def repeat(x, axis: int):  # [..., Bg, ...] -> [..., B, ...], each group's row G times.
     x = jnp.expand_dims(x, axis + 1)
@@ -361,7 +361,7 @@ def prefix_hidden_states(params: Params, config: ModelConfig, tokens_BxT, attent
 
   hidden_BxTxD, _ = model.apply(
       params, tokens_BxT[:, prefix:], positions_BxT[:, prefix:], valid_BxT[:, prefix:],
-      (repeat(k_LxBgxKxPxH, 1), repeat(v_LxBgxKxPxH, 1)), repeat(prompt(valid_BxT), 0),
+      (repeat(k_LxBgxKxPxH, 1), repeat(v_LxBgxKxPxH, 1)), repeat(valid_BgxP, 0),
       head="hidden")
   return hidden_BxTxD
 
