@@ -13,9 +13,9 @@ A finished run (its final step logged) is skipped, a partial one resumes from it
 run another process holds is left to it: seeds (or method x seed pairs) can run as separate
 processes on one root and each writes the report of whatever is complete.
 
-  python bench/study.py --root runs/study                      # the protocol of docs/results.md
-  python bench/study.py --root runs/study --seeds 3 --methods eppo   # one run per process
-  python bench/study.py --root runs/study --report-only
+  python bench/study.py --root runs/study_easy                 # the protocol of docs/results.md
+  python bench/study.py --root runs/study_easy --seeds 3 --methods eppo   # one run per process
+  python bench/study.py --root runs/study_easy --report-only
   python bench/study.py --root /tmp/s --preset smoke --seeds 0 1 --methods eppo grpo \
       --config.train.num_steps=2
   # An HF preset, unchanged but for the passthrough fields (one accelerator host):
@@ -49,12 +49,11 @@ SEEDS = (0, 1, 2, 3, 4)
 
 # The study protocol (docs/results.md, "Evidence study"): the tiny preset with these fields changed.
 # Fixed before any RL comparison ran; change it only together with that section.
-# The first mix (sokoban:easy, frozenlake:easy, sokoban:medium; 8 turns, 768 tokens) failed the
-# headroom check (runs/study), so this is the declared fallback mix.
+# Neither declared mix passed the headroom check (runs/study, runs/study_fallback); by the rule
+# of that section the study runs the closer one, the first (8 turns, 768 tokens), without
+# sokoban:medium, which the tiny model cannot learn (1 success in 1,280 episodes after SFT).
 STUDY_OVERRIDES = {
-    "tasks.specs": ("sokoban:easy", "frozenlake:medium", "sokoban:medium"),
-    "rollout.max_turns": 16,
-    "rollout.max_episode_tokens": 1536,
+    "tasks.specs": ("sokoban:easy", "frozenlake:easy"),
     "train.num_steps": 100,
     "train.eval_every": 20,
     "train.eval_instances_per_task": 128,
@@ -239,7 +238,7 @@ def run_one(base, root: Path, seed: int, method: str, variant_text: str) -> str:
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--root", default="runs/study")
+  parser.add_argument("--root", default="runs/study_easy")
   parser.add_argument("--preset", default="study",
                       help="study (the protocol), or a configs/multitask.py preset run unchanged")
   parser.add_argument("--methods", nargs="+", default=list(METHODS))

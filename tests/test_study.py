@@ -167,9 +167,9 @@ def test_run_metrics_of_a_synthetic_run():
 def test_config_passthrough_types_and_errors():
   base = study.base_config("study", study.parse_overrides(
       ["--config.train.num_steps=7", "--config.optim.learning_rate=1e-4",
-       "--config.tasks.specs=('sokoban:easy','frozenlake:easy')", "--config.model.source=tiny"]))
+       "--config.tasks.specs=('sokoban:easy','countdown:easy')", "--config.model.source=tiny"]))
   assert base.train.num_steps == 7 and base.optim.learning_rate == 1e-4
-  assert base.tasks.specs == ("sokoban:easy", "frozenlake:easy")
+  assert base.tasks.specs == ("sokoban:easy", "countdown:easy")
   assert base.train.eval_instances_per_task == study.STUDY_OVERRIDES[
       "train.eval_instances_per_task"]
   hf = study.base_config("qwen2.5-0.5b", study.parse_overrides(["--config.model.source=/m"]))
