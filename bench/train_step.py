@@ -5,7 +5,8 @@
 
 One update = what `steps.train_step` does on a rollout batch: a teacher-forced pass for the old
 log-probs and entropies (pacing), GRPO advantages, then `--minibatches` forward + backward + AdamW
-steps (ppo_epochs = 1), pmapped on one device exactly as `train.py` runs it. The PyTorch reference
+steps (ppo_epochs = 1), pmapped on one device (`train.py` runs the same function under `jax.jit`
+over a device mesh, `axis_name=None`; not timed here). The PyTorch reference
 is `transformers.LlamaForCausalLM` loaded from the same exported weights doing the same work on the
 same batch: a no-grad pass for old log-probs and entropies, then per minibatch the PPO-clip
 token-mean loss, `loss.backward()`, gradient clipping and `torch.optim.AdamW`. LoRA (rank
