@@ -7,10 +7,11 @@
 
 Weights are random (the shape is what costs time), so nothing is downloaded.
 
-* Update: `steps.train_step` (pmapped on one device, donated state, EPPO objective, one PPO epoch of
-  `--minibatches` minibatches) on a B x T batch, full fine-tuning and LoRA. Its model FLOPs are one
-  forward (the old-log-prob pass) plus forward + backward per epoch (3 forwards for full
-  fine-tuning; 2 for LoRA, whose backward needs no weight gradients of the base), counted by
+* Update: `steps.train_step` as the trainer compiles it (one device, donated state, EPPO objective,
+  one PPO epoch of `--minibatches` minibatches) on a B x T batch, full fine-tuning and LoRA. Its
+  model FLOPs are the old-log-prob pass over every minibatch but the first (whose own pass is the
+  old policy's) plus forward + backward (3 forwards for full fine-tuning; 2 for LoRA, whose
+  backward needs no weight gradients of the base), counted by
   `ModelConfig.forward_flops_per_token`. MFU = model FLOPs / step time / peak.
 * Decode: greedy `sampling.rollout` at several batch sizes. A decode step reads every weight (the
   untied embedding table aside) and the whole K/V cache (attention spans all slots), and does
@@ -25,7 +26,6 @@ copy) are printed next to them, and fractions are given against both.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import time
@@ -36,12 +36,11 @@ import numpy as np
 
 from common import MODELS as CPU_MODELS
 from decode import decode_weight_bytes, time_jax
-from train_step import GROUP, LR, NUM_TASKS, make_batch
+from train_step import make_batch, trainer_update
 
-from eppo_jax import lora, objective, pacing, parallel, steps
+from eppo_jax import lora
 from eppo_jax.models.config import LoraConfig, ModelConfig
 from eppo_jax.models.transformer import init_params
-from eppo_jax.train import make_optimizer
 
 MODELS = {
     **CPU_MODELS,  # "tiny" (the default preset's shape) and "100m", for CPU checks.
@@ -96,27 +95,18 @@ def time_update(params, config: ModelConfig, mode: str, args) -> dict:
                                    jax.random.PRNGKey(1))
   trainable, frozen = lora.partition(
       params, lora.trainable_mask(params, full_finetune=mode == "full"))
-  pacing_cfg, loss_cfg = objective.method_configs("eppo")
-  cfg = steps.StepConfig(model=config, pacing=pacing_cfg, loss=loss_cfg, num_tasks=NUM_TASKS,
-                         num_groups=args.batch // GROUP, num_minibatches=args.minibatches)
-  tx = make_optimizer(LR, 0, 0.0, 1.0)
-  state = steps.TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable,
-                           opt_state=tx.init(trainable), pacing=pacing.init_pacing(NUM_TASKS))
-  # Replicas are new buffers, so donating the state leaves the caller's params intact.
-  state, frozen = parallel.replicate(state), parallel.replicate(frozen)
-  batch = parallel.shard(make_batch(args.batch, args.seq, config.vocab_size))
-  update = jax.pmap(functools.partial(steps.train_step, cfg=cfg, tx=tx),
-                    axis_name=parallel.AXIS, donate_argnums=(0,))
+  step, state = trainer_update(config, trainable, frozen,
+                               make_batch(args.batch, args.seq, config.vocab_size), args.minibatches)
   times = []
   for i in range(1 + args.steps):
-    keys = parallel.replicate(jax.random.PRNGKey(i))
     start = time.perf_counter()
-    state, metrics = update(state, frozen, batch, keys)
+    state, metrics = step(state, jax.random.PRNGKey(i))
     jax.block_until_ready((state, metrics))
     times.append(time.perf_counter() - start)
-  # The old-log-prob pass, then forward + backward per epoch. The backward costs 2 forwards with
-  # weight gradients (full) and 1 without (LoRA: input gradients only; the adapters are tiny).
-  forwards = 1 + (3 if mode == "full" else 2) * cfg.ppo_epochs
+  # The old-log-prob pass (all minibatches but the first), then forward + backward. The backward
+  # costs 2 forwards with weight gradients (full) and 1 without (LoRA: input gradients only).
+  m = args.minibatches
+  forwards = (m - 1) / m + (3 if mode == "full" else 2)  # One PPO epoch.
   scored = args.seq - 1  # Teacher forcing scores tokens 1..T-1 from positions 0..T-2.
   flops = forwards * config.forward_flops_per_token(scored) * args.batch * scored
   out = dict(mode=mode, compile_s=times[0] - float(np.median(times[1:])),

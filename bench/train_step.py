@@ -5,8 +5,8 @@
 
 One update = what `steps.train_step` does on a rollout batch: a teacher-forced pass for the old
 log-probs and entropies (pacing), GRPO advantages, then `--minibatches` forward + backward + AdamW
-steps (ppo_epochs = 1), pmapped on one device (`train.py` runs the same function under `jax.jit`
-over a device mesh, `axis_name=None`; not timed here). The PyTorch reference
+steps (ppo_epochs = 1), compiled as `train.py` compiles it (`train.jit_update`, one program over a
+one-device mesh, the state donated). The PyTorch reference
 is `transformers.LlamaForCausalLM` loaded from the same exported weights doing the same work on the
 same batch: a no-grad pass for old log-probs and entropies, then per minibatch the PPO-clip
 token-mean loss, `loss.backward()`, gradient clipping and `torch.optim.AdamW`. LoRA (rank
@@ -81,19 +81,41 @@ def summarize(times: list[float], b: int, t: int) -> dict:
               tokens_per_s=b * t / step_s, peak_rss=peak_rss_bytes())
 
 
+def trainer_update(model_cfg, trainable, frozen, batch: dict, minibatches: int):
+  """`steps.train_step` (EPPO, one PPO epoch) compiled as the trainer compiles it
+  (`train.jit_update`) on a one-device mesh, with `frozen` and the host `batch` placed there.
+  -> (step(state, key) -> (state, metrics), state); the state holds copies, since it is donated."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from eppo_jax import mesh as meshlib, objective, pacing, steps, train  # noqa: E402
+  mesh = meshlib.make_mesh(meshlib.DATA_ONLY, jax.local_devices()[:1])
+  pacing_cfg, loss_cfg = objective.method_configs("eppo")
+  cfg = steps.StepConfig(model=model_cfg, pacing=pacing_cfg, loss=loss_cfg, num_tasks=NUM_TASKS,
+                         num_groups=len(batch["tokens"]) // GROUP, num_minibatches=minibatches,
+                         axis_name=None, minibatch_sharding=meshlib.minibatch_sharding(mesh))
+  tx = train.make_optimizer(LR, 0, 0.0, 1.0)
+  state = steps.TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable,
+                           opt_state=tx.init(trainable), pacing=pacing.init_pacing(NUM_TASKS))
+  state_sh, frozen_sh = meshlib.shardings(state, mesh), meshlib.shardings(frozen, mesh)
+  update = train.jit_update(cfg, tx, state_sh, frozen_sh, mesh)
+  frozen, batch = meshlib.put(frozen, frozen_sh), meshlib.put_rows(batch, mesh)
+
+  def step(state, key):
+    with jax.set_mesh(mesh):  # Traced as the trainer traces it (see `mesh.constrain_rows`).
+      return update(state, frozen, batch, key)
+  return step, meshlib.put(state, state_sh)
+
+
 # ----------------------------------------------------------------------------------------------
 # Workers (each in its own process).
 
 
 def jax_worker(args) -> dict:
-  """Times `steps.train_step` pmapped on one device; returns the summary dict."""
-  import functools  # pylint: disable=g-import-not-at-top
+  """Times the trainer's update program on one device; returns the summary dict."""
   import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import eppo_jax  # pylint: disable=g-import-not-at-top
-  from eppo_jax import lora, objective, pacing, parallel, steps  # noqa: E402
+  from eppo_jax import lora  # pylint: disable=g-import-not-at-top
   from eppo_jax.models.config import LoraConfig  # pylint: disable=g-import-not-at-top
-  from eppo_jax.train import make_optimizer  # pylint: disable=g-import-not-at-top
 
   pre = eppo_jax.load_pretrained(args.model_dir, with_tokenizer=False)
   model_cfg, params = pre.config, pre.params
@@ -104,28 +126,20 @@ def jax_worker(args) -> dict:
   trainable, frozen = lora.partition(
       params, lora.trainable_mask(params, full_finetune=args.mode == "full"))
   del params, pre
-  pacing_cfg, loss_cfg = objective.method_configs("eppo")
-  cfg = steps.StepConfig(model=model_cfg, pacing=pacing_cfg, loss=loss_cfg, num_tasks=NUM_TASKS,
-                         num_groups=args.batch // GROUP, num_minibatches=args.minibatches)
-  tx = make_optimizer(LR, 0, 0.0, 1.0)
-  state = steps.TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable,
-                           opt_state=tx.init(trainable), pacing=pacing.init_pacing(NUM_TASKS))
   n_trainable = sum(x.size for x in jax.tree_util.tree_leaves(trainable))
-  state, frozen = parallel.replicate(state), parallel.replicate(frozen)
-  del trainable
-  batch = parallel.shard(make_batch(args.batch, args.seq, model_cfg.vocab_size))
-  p_train = jax.pmap(functools.partial(steps.train_step, cfg=cfg, tx=tx),
-                     axis_name=parallel.AXIS, donate_argnums=(0,))
+  step, state = trainer_update(model_cfg, trainable, frozen,
+                               make_batch(args.batch, args.seq, model_cfg.vocab_size),
+                               args.minibatches)
+  del trainable, frozen
   key = jax.random.PRNGKey(0)
   times, entropy = [], None
   for i in range(1 + args.steps):
-    keys = parallel.replicate(jax.random.fold_in(key, i))
     start = time.perf_counter()
-    state, metrics = p_train(state, frozen, batch, keys)
+    state, metrics = step(state, jax.random.fold_in(key, i))
     jax.block_until_ready((state, metrics))
     times.append(time.perf_counter() - start)
     if i == 0:  # Entropy of the initial policy on the trained tokens, for the parity check.
-      m = jax.device_get(parallel.unreplicate(metrics))
+      m = jax.device_get(metrics)
       entropy = float((m["entropy_K"] * m["token_count_K"]).sum() / m["token_count_K"].sum())
   out = summarize(times, args.batch, args.seq)
   out.update(trainable=int(n_trainable), entropy=entropy)

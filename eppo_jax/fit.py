@@ -184,7 +184,6 @@ def compile_train(config, model_cfg, mesh, shared_prefix: int = 0) -> Fit:
   from eppo_jax import mesh as meshlib, pacing, steps, train  # pylint: disable=g-import-not-at-top
   r, o = config.rollout, config.optim
   step_cfg = train.step_config(config, model_cfg, mesh)  # What the trainer compiles.
-  step_cfg = dataclasses.replace(step_cfg, shared_prefix=shared_prefix, group_size=r.group_size)
   tx = train.make_optimizer(o.learning_rate, o.warmup_steps, o.weight_decay, o.grad_clip)
   trainable, frozen = _abstract_params(model_cfg, mesh)
   state = jax.eval_shape(lambda t: steps.TrainState(
@@ -200,10 +199,8 @@ def compile_train(config, model_cfg, mesh, shared_prefix: int = 0) -> Fit:
   if step_cfg.old_logprobs == "sampler":  # The rollout's numbers travel with the batch.
     batch.update(logprobs=sds((b, t), jnp.float32), entropies=sds((b, t), jnp.float32))
   key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=meshlib.replicated(mesh))
-  fn = jax.jit(functools.partial(steps.train_step, cfg=step_cfg, tx=tx),
-               in_shardings=(state_sh, meshlib.shardings(frozen, mesh), rows,
-                             meshlib.replicated(mesh)),
-               out_shardings=(state_sh, meshlib.replicated(mesh)), donate_argnums=(0,))
+  fn = train.jit_update(step_cfg, tx, state_sh, meshlib.shardings(frozen, mesh), mesh,
+                        shared_prefix, r.group_size)
   with jax.set_mesh(mesh):  # Traced as `train.train` traces it (see `mesh.constrain_rows`).
     return _measure("train_shared" if shared_prefix else "train_step",
                     lambda: fn.lower(_abstract(state, state_sh), frozen, batch, key))

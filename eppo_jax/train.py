@@ -137,6 +137,19 @@ def step_config(config: ml_collections.ConfigDict, model_cfg,
       old_logprobs=config.optim.old_logprobs, **mesh_fields)
 
 
+def jit_update(step_cfg: steps.StepConfig, tx, state_sharding, frozen_sharding, mesh,
+               shared_prefix: int = 0, group_size: int = 1):
+  """`steps.train_step` compiled as the trainer runs it: one program over `mesh` (`step_cfg` from
+  `step_config(..., mesh)`), the state donated. With `shared_prefix`, each group of `group_size`
+  consecutive rows runs its first `shared_prefix` tokens once (`StepConfig.shared_prefix`)."""
+  cfg = dataclasses.replace(step_cfg, shared_prefix=shared_prefix,
+                            group_size=group_size if shared_prefix else 1)
+  return jax.jit(functools.partial(steps.train_step, cfg=cfg, tx=tx),
+                 in_shardings=(state_sharding, frozen_sharding, meshlib.batch_sharding(mesh),
+                               meshlib.replicated(mesh)),
+                 out_shardings=(state_sharding, meshlib.replicated(mesh)), donate_argnums=(0,))
+
+
 def shares_prompt(config) -> bool:
   """Whether the update runs each group's prompt once (`optim.share_prompt`): it needs minibatches
   of whole groups (the global batch of instances x group_size splits into num_minibatches)."""
@@ -383,13 +396,9 @@ def _train(config: ml_collections.ConfigDict, workdir: Path,
     """The jitted update for batches whose groups share their first `shared_prefix` tokens (one
     compilation per value; `steps.shared_prefix_length` rounds it to few values)."""
     if shared_prefix not in update_fns:
-      cfg = dataclasses.replace(step_cfg, shared_prefix=shared_prefix,
-                                group_size=r.group_size if shared_prefix else 1)
-      update_fns[shared_prefix] = jax.jit(
-          functools.partial(steps.train_step, cfg=cfg, tx=tx),
-          in_shardings=(state_sh, meshlib.shardings(run.frozen, mesh),
-                        meshlib.batch_sharding(mesh), meshlib.replicated(mesh)),
-          out_shardings=(state_sh, meshlib.replicated(mesh)), donate_argnums=(0,))
+      update_fns[shared_prefix] = jit_update(step_cfg, tx, state_sh,
+                                             meshlib.shardings(run.frozen, mesh), mesh,
+                                             shared_prefix, r.group_size)
       if shared_prefix:
         log.info("update: each group's first %d tokens (its prompt) run once per group",
                  shared_prefix)
