@@ -77,6 +77,9 @@ def test_verdict_applies_the_decision_rule():
   assert stats.verdict((-0.04, 0.05)) == "clear null"  # Half-width 0.045.
   assert stats.verdict((-0.06, 0.05)) == "unresolved"  # Half-width 0.055.
   assert stats.verdict(None) == "unresolved"
+  # Fewer seeds than the protocol's: no decision, however narrow the (degenerate) interval.
+  assert stats.verdict((0.078, 0.078), n=1) == "pending (n < 5)"
+  assert stats.verdict((0.01, 0.2), n=5) == "effect"
 
 
 def test_paired_differences_keep_the_seeds_both_methods_have():
