@@ -44,6 +44,9 @@ _DEMO_SEED = 1_000_000  # First seed of the SFT demonstrations.
 _KEY_PURPOSES = ("rollout", "train", "eval", "lora")
 _BATCH_KEYS = ("tokens", "attention_mask", "loss_mask", "task_ids", "group_ids", "rewards")
 _SAMPLER_KEYS = ("logprobs", "entropies")  # Read by train_step with optim.old_logprobs="sampler".
+# Consecutive steps in which every group's rewards were equal (all advantages 0) before the run
+# warns: a policy that has collapsed to one outcome on every instance gets no gradient back out.
+_NO_SIGNAL_STEPS = 5
 
 log = logging.getLogger(__name__)
 
@@ -406,7 +409,7 @@ def _train(config: ml_collections.ConfigDict, workdir: Path,
 
   share_prompt = shares_prompt(config)
   host_instances = r.instances_per_step // jax.process_count()
-  bad_steps = 0
+  bad_steps = no_signal_steps = 0
 
   if int(meshlib.fetch(state.step)) == 0:  # Where RL starts from (after SFT).
     logger.log(0, *evaluate(run, state.trainable, eval_key, sampler))
@@ -462,6 +465,13 @@ def _train(config: ml_collections.ConfigDict, workdir: Path,
       log.warning("step %d: every episode failed or had a non-finite reward; nothing learned", step)
     elif bad:
       log.warning("step %d: non-finite loss, gradient or entropy; update skipped", step)
+    no_signal_steps = no_signal_steps + 1 if metrics["advantage_abs_mean"] == 0 and not empty else 0
+    if no_signal_steps and no_signal_steps % _NO_SIGNAL_STEPS == 0:
+      log.warning(
+          "step %d: for %d steps every group's episodes got equal rewards, so the updates had no "
+          "signal (success %.2f; %.1f invalid actions in %.1f turns per episode): the policy "
+          "may have collapsed", step, no_signal_steps, scalars["success"],
+          all_episodes.invalid_actions.mean(), all_episodes.turns.mean())
     if t.eval_every and step % t.eval_every == 0 or step == t.num_steps:
       eval_scalars, eval_per_task = evaluate(run, state.trainable, eval_key, sampler)
       scalars.update(eval_scalars)

@@ -67,8 +67,17 @@ class RaisingLake(_Misbehaving):
     raise RuntimeError("injected environment fault")
 
 
+class FlatLake(FrozenLake):
+  """Ends every episode after its first turn with reward 0, whatever the action: every group's
+  rewards are equal, so no update has a signal."""
+
+  def step(self, action):
+    observation, _, _, info = super().step(action)
+    return observation, 0.0, True, info
+
+
 NAMES = {"hanglake_test": HangingLake, "alwayshang_test": AlwaysHangingLake, "spinlake_test": SpinningLake,
-         "crashlake_test": CrashingLake, "raiselake_test": RaisingLake}
+         "crashlake_test": CrashingLake, "raiselake_test": RaisingLake, "flatlake_test": FlatLake}
 
 
 def register_all() -> None:

@@ -209,3 +209,25 @@ def test_unknown_override_is_one_line(tmp_path):
   assert proc.stderr.strip().splitlines() == [
       "error: --config.train.foo: the config has no field config.train.foo (\"'foo'\")"]
   assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# A run that cannot learn says so.
+
+
+def test_steps_without_learning_signal_are_reported(compile_cache, tmp_path, caplog):
+  """A task that scores every episode 0: every group's rewards are equal, the advantages and the
+  gradient are 0, and after 5 such steps the run warns once, with what the episodes did."""
+  del compile_cache
+  # Its own tiny model: the task's one-turn transcripts change the tokenizer corpus.
+  config = smoke_config(tmp_path / "tiny", **LEAN, **{
+      "tasks.specs": ("flatlake_test:easy",), "sft.enabled": False, "train.num_steps": 6,
+      "train.eval_every": 0, "train.eval_instances_per_task": 1})
+  with caplog.at_level(logging.WARNING):
+    train.train(config, tmp_path / "run")
+  steps = [r for r in _records(tmp_path / "run") if "loss" in r]
+  assert [r["advantage_abs_mean"] for r in steps] == [0.0] * 6
+  assert all(r["grad_norm"] == 0.0 and r["success"] == 0.0 for r in steps)
+  warned = [r.getMessage() for r in caplog.records if "no signal" in r.getMessage()]
+  assert len(warned) == 1 and warned[0].startswith("step 5: for 5 steps"), warned
+  assert "success 0.00" in warned[0] and "in 1.0 turns per episode" in warned[0], warned
