@@ -27,7 +27,6 @@ METRICS = (("worst_task_final", "worst-task success (final)"),
 KNOWN_METHODS = ("eppo", "grpo", "dapo", "clip_cov", "kl_cov")
 NUM_RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0
-MIN_SEEDS = 5  # The protocol's seeds (docs/results.md): no verdict is read from fewer.
 
 
 def read_records(workdir: Path) -> list[dict]:
@@ -89,7 +88,7 @@ def differences(metrics: dict, treatment: str, baseline: str, keys) -> dict:
           if diff else None)
     out[key] = {"per_seed": diff, "n": len(diff),
                 "mean": float(np.mean(list(diff.values()))) if diff else None,
-                "ci95": ci, "verdict": stats.verdict(ci, n=len(diff), min_seeds=MIN_SEEDS)}
+                "ci95": ci, "verdict": stats.verdict(ci, n=len(diff))}
   return out
 
 
@@ -188,7 +187,7 @@ def write_report(root: Path, config, baseline: str, command: tuple[str, str]) ->
                 f"Per seed, then the mean over seeds with a 95% percentile bootstrap interval "
                 f"({NUM_RESAMPLES:,} resamples of the seeds, RNG seed {BOOTSTRAP_SEED}). Verdict: "
                 "effect = the interval excludes 0; clear null = it holds 0 and is narrower than "
-                f"± 0.05; else unresolved; pending while fewer than {MIN_SEEDS} seeds are paired. "
+                f"± 0.05; else unresolved; pending while fewer than {stats.MIN_SEEDS} seeds are paired. "
                 "The first row is the primary metric.", ""]
       lines += _table(["metric", "n", "mean", "95% CI", "verdict", "per seed"], rows)
   lines += ["", "![eval success and token entropy per task, mean over seeds, band = ± 1 std]"

@@ -12,6 +12,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 COLLAPSE_NATS = 0.05  # A task whose token entropy falls below this has collapsed.
+MIN_SEEDS = 5  # The protocol's seeds (docs/results.md): no verdict is read from fewer.
 
 
 def eval_curve(records: Sequence[dict], key: str = "eval_success") -> tuple[np.ndarray, np.ndarray]:
@@ -139,7 +140,7 @@ def bootstrap_ci(values: Sequence[float], confidence: float = 0.95, num_resample
 
 
 def verdict(ci: Optional[tuple[float, float]], null_half_width: float = 0.05,
-            n: Optional[int] = None, min_seeds: int = 5) -> str:
+            n: Optional[int] = None, min_seeds: int = MIN_SEEDS) -> str:
   """The study's decision rule on a difference's confidence interval.
 
   "effect" when the interval excludes 0 (either sign); "clear null" when it holds 0 and its
