@@ -242,7 +242,9 @@ def main(argv=None):
   parser.add_argument("--preset", default="study",
                       help="study (the protocol), or a configs/multitask.py preset run unchanged")
   parser.add_argument("--methods", nargs="+", default=list(METHODS))
-  parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
+  parser.add_argument("--seeds", nargs="+", type=int,
+                      help=f"default {' '.join(map(str, SEEDS))}; with --report-only, the seeds "
+                           "to report (default: every finished one)")
   parser.add_argument("--variant", action="append", default=[],
                       help="a pacing variant of the first method, e.g. alpha=0.5 (repeatable)")
   parser.add_argument("--baseline", default="grpo", help="the method differences are taken to")
@@ -262,7 +264,7 @@ def main(argv=None):
                      args.preset] + [shlex.quote(e) for e in extra])
   command = (prefix, f"python bench/study.py {given}")
   if not args.report_only:
-    for seed in args.seeds:
+    for seed in args.seeds or SEEDS:
       if args.warm_only:
         warm_start(base, root, seed)
         study_report.write_report(root, base, args.baseline, command)
@@ -275,7 +277,8 @@ def main(argv=None):
                 flush=True)
         # Rewritten after every run, so an interrupted study still reports what it finished.
         study_report.write_report(root, base, args.baseline, command)
-  study_report.write_report(root, base, args.baseline, command)
+  study_report.write_report(root, base, args.baseline, command,
+                            seeds=args.seeds if args.report_only else None)
   print((root / "results.md").read_text())
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -58,6 +59,12 @@ def load_runs(root: Path, num_steps: int) -> tuple[dict, dict]:
   return done, partial
 
 
+def _only_seeds(runs: dict, seeds) -> dict:
+  """{name: {seed: x}} restricted to `seeds`, without names left empty."""
+  kept = {name: {s: x for s, x in per_seed.items() if s in seeds} for name, per_seed in runs.items()}
+  return {name: per_seed for name, per_seed in kept.items() if per_seed}
+
+
 def _ordered(names, first: str) -> list[str]:
   return sorted(names, key=lambda n: (n != first, n))
 
@@ -97,14 +104,18 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
           + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def write_report(root: Path, config, baseline: str, command: tuple[str, str]) -> dict:
+def write_report(root: Path, config, baseline: str, command: tuple[str, str],
+                 seeds: Optional[Sequence[int]] = None) -> dict:
   """results.md, summary.json and curves.png from the finished runs under `root`.
 
-  `command` is (the driver's command without --seeds/--methods, the command that ran now).
+  `command` is (the driver's command without --seeds/--methods, the command that ran now);
+  `seeds`, when given, keeps those seeds' runs only (a report as it stood at an earlier seed count).
   """
   tasks = list(config.tasks.specs)
   t = config.train
   done, partial = load_runs(root, t.num_steps)
+  if seeds is not None:
+    done, partial = _only_seeds(done, seeds), _only_seeds(partial, seeds)
   metrics = {name: {seed: stats.run_metrics(recs, tasks) for seed, recs in per_seed.items()}
              for name, per_seed in done.items()}
   names = _ordered(done, "eppo")
@@ -133,7 +144,8 @@ def write_report(root: Path, config, baseline: str, command: tuple[str, str]) ->
                  + (f"; unfinished: {unfinished}" if unfinished else ""))
   lines.append("")
   warm = {int(d.parent.name[4:]): read_records(d) for d in sorted(root.glob("seed*/sft"))
-          if d.parent.name[4:].isdigit() and finished(d, 0)}
+          if d.parent.name[4:].isdigit() and finished(d, 0)
+          and (seeds is None or int(d.parent.name[4:]) in seeds)}
   if warm:
     rows = [[f"seed {seed}"] + [_cell(_step0(recs, f"task/{task}/eval_success")) for task in tasks]
             + [_cell(_step0(recs, "eval_success"))] for seed, recs in sorted(warm.items())]

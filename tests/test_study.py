@@ -246,6 +246,15 @@ def test_driver_end_to_end_resumes_and_reports(compile_cache, tmp_path, capsys):
   assert (tmp_path / "seed1" / "grpo" / "metrics.jsonl").stat().st_mtime_ns == mtime
   assert json.loads((tmp_path / "summary.json").read_text())["runs"] == summary["runs"]
 
+  # --report-only with --seeds reports those seeds only (here one with no finished run).
+  report_only = ["--root", str(tmp_path), "--preset", "smoke", "--report-only"]
+  study.main(report_only + ["--seeds", "0"])
+  assert "No finished run yet." in capsys.readouterr().out
+  assert "| eppo |" not in (tmp_path / "results.md").read_text()
+  study.main(report_only)
+  assert "| eppo | 1 |" in capsys.readouterr().out
+  assert json.loads((tmp_path / "summary.json").read_text())["runs"] == summary["runs"]
+
   # A run cut after its step-2 checkpoint resumes there and ends where the whole run ended.
   workdir = tmp_path / "seed1" / "grpo"
   whole = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
