@@ -16,6 +16,7 @@ processes on one root and each writes the report of whatever is complete.
   python bench/study.py --root runs/study_easy                 # the protocol of docs/results.md
   python bench/study.py --root runs/study_easy --seeds 3 --methods eppo   # one run per process
   python bench/study.py --root runs/study_easy --report-only
+  python bench/study.py --root runs/study_easy --report-only --seeds 0 1 2 3 4   # those seeds only
   python bench/study.py --root /tmp/s --preset smoke --seeds 0 1 --methods eppo grpo \
       --config.train.num_steps=2
   # An HF preset, unchanged but for the passthrough fields (one accelerator host):
