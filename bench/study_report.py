@@ -144,8 +144,9 @@ def write_report(root: Path, config, baseline: str, command: tuple[str, str],
                  + (f"; unfinished: {unfinished}" if unfinished else ""))
   lines.append("")
   warm = {int(d.parent.name[4:]): read_records(d) for d in sorted(root.glob("seed*/sft"))
-          if d.parent.name[4:].isdigit() and finished(d, 0)
-          and (seeds is None or int(d.parent.name[4:]) in seeds)}
+          if d.parent.name[4:].isdigit() and finished(d, 0)}
+  if seeds is not None:
+    warm = {seed: recs for seed, recs in warm.items() if seed in seeds}
   if warm:
     rows = [[f"seed {seed}"] + [_cell(_step0(recs, f"task/{task}/eval_success")) for task in tasks]
             + [_cell(_step0(recs, "eval_success"))] for seed, recs in sorted(warm.items())]

@@ -140,16 +140,16 @@ def bootstrap_ci(values: Sequence[float], confidence: float = 0.95, num_resample
 
 
 def verdict(ci: Optional[tuple[float, float]], null_half_width: float = 0.05,
-            n: Optional[int] = None, min_seeds: int = MIN_SEEDS) -> str:
+            n: Optional[int] = None) -> str:
   """The study's decision rule on a difference's confidence interval.
 
   "effect" when the interval excludes 0 (either sign); "clear null" when it holds 0 and its
   half-width is below `null_half_width`; otherwise "unresolved" (more seeds or episodes needed).
-  With `n` paired seeds below `min_seeds` (the protocol's count), "pending": a bootstrap over one
+  With `n` paired seeds below `MIN_SEEDS` (the protocol's count), "pending": a bootstrap over one
   seed is a point and over a few is far too narrow, so no decision is read from it.
   """
-  if n is not None and n < min_seeds:
-    return f"pending (n < {min_seeds})"
+  if n is not None and n < MIN_SEEDS:
+    return f"pending (n < {MIN_SEEDS})"
   if ci is None:
     return "unresolved"
   low, high = ci

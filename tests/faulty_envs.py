@@ -1,8 +1,8 @@
 """Environments that hang, crash or score nothing on purpose, importable by env worker processes.
 
 Each misbehaving one is a FrozenLake that misbehaves on its second step when the instance seed is
-in `BAD_SEEDS`; any other instance plays exactly like FrozenLake. `FlatLake` scores every episode 0. Kept free of test-only imports so that a worker
-process can unpickle the classes quickly.
+in `BAD_SEEDS`; any other instance plays exactly like FrozenLake. `FlatLake` scores every episode
+0. Kept free of test-only imports so that a worker process can unpickle the classes quickly.
 """
 
 import multiprocessing
