@@ -17,6 +17,8 @@ processes on one root and each writes the report of whatever is complete.
   python bench/study.py --root runs/study_easy --seeds 3 --methods eppo   # one run per process
   python bench/study.py --root runs/study_easy --report-only
   python bench/study.py --root runs/study_easy --report-only --seeds 0 1 2 3 4   # those seeds only
+  python bench/study.py --root runs/study_easy --report-only --archive docs/data/study_easy
+  python bench/study.py --root docs/data/study_easy --report-only   # the report from the archive
   python bench/study.py --root /tmp/s --preset smoke --seeds 0 1 --methods eppo grpo \
       --config.train.num_steps=2
   # An HF preset, unchanged but for the passthrough fields (one accelerator host):
@@ -252,6 +254,9 @@ def main(argv=None):
   parser.add_argument("--report-only", action="store_true", help="train nothing, write the report")
   parser.add_argument("--warm-only", action="store_true",
                       help="train the seeds' warm starts only (the task-mix headroom check)")
+  parser.add_argument("--archive", metavar="DIR",
+                      help="then copy the finished runs' records (no checkpoints) to DIR, a root "
+                           "that --report-only reads: commit it to keep the study's data")
   args, extra = parser.parse_known_args(argv)
   try:
     base = base_config(args.preset, parse_overrides(extra))
@@ -281,6 +286,9 @@ def main(argv=None):
   study_report.write_report(root, base, args.baseline, command,
                             seeds=args.seeds if args.report_only else None)
   print((root / "results.md").read_text())
+  if args.archive:
+    count = study_report.archive(root, Path(args.archive), base.train.num_steps)
+    print(f"archived the records of {count} finished runs and warm starts to {args.archive}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -28,6 +30,13 @@ METRICS = (("worst_task_final", "worst-task success (final)"),
 KNOWN_METHODS = ("eppo", "grpo", "dapo", "clip_cov", "kl_cov")
 NUM_RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0
+# The logged numbers an archived run keeps: what the report reads, and what docs/results.md quotes
+# (bounds, clipping, KL, invalid actions). Timings and the rest of a record are dropped.
+ARCHIVED_KEY = re.compile(
+    r"(step|success|eval_success|entropy|entropy_crossovers|num_entropy_spikes|approx_kl|"
+    r"grad_norm|advantage_abs_mean|clip_frac_low|clip_frac_high|"
+    r"task/[^/]+/(eval_success|success|entropy|entropy_spikes|eps_low|eps_high|clip_frac_low|"
+    r"clip_frac_high|approx_kl|invalid_actions|eval_invalid_actions))")
 
 
 def read_records(workdir: Path) -> list[dict]:
@@ -57,6 +66,32 @@ def load_runs(root: Path, num_steps: int) -> tuple[dict, dict]:
     else:
       partial.setdefault(workdir.name, {})[seed] = max((r["step"] for r in records), default=0)
   return done, partial
+
+
+def archive(root: Path, dest: Path, num_steps: int) -> int:
+  """Copies the records of every finished run and warm start under `root` to `dest`; -> runs copied.
+
+  `dest` keeps the root's layout (protocol.json, seed<S>/<run>/metrics.jsonl, final_metrics.json)
+  with each record cut to `ARCHIVED_KEY`, so it is itself a root that `--report-only` reports
+  exactly as the original: small enough to commit, where checkpoints and run directories are not.
+  """
+  copied = 0
+  shutil.copy2(root / "protocol.json", _made(dest) / "protocol.json")
+  for log in sorted(root.glob("seed*/*/metrics.jsonl")):
+    workdir = log.parent
+    if not finished(workdir, 0 if workdir.name == "sft" else num_steps):
+      continue
+    kept = [{k: v for k, v in r.items() if ARCHIVED_KEY.fullmatch(k)} for r in read_records(workdir)]
+    out = _made(dest / workdir.relative_to(root))
+    _write(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in kept))
+    shutil.copy2(workdir / "final_metrics.json", out / "final_metrics.json")
+    copied += 1
+  return copied
+
+
+def _made(path: Path) -> Path:
+  path.mkdir(parents=True, exist_ok=True)
+  return path
 
 
 def _only_seeds(runs: dict, seeds) -> dict:

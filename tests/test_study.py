@@ -255,6 +255,19 @@ def test_driver_end_to_end_resumes_and_reports(compile_cache, tmp_path, capsys):
   assert "| eppo | 1 |" in capsys.readouterr().out
   assert json.loads((tmp_path / "summary.json").read_text())["runs"] == summary["runs"]
 
+  # The archive (records only, trimmed) is a root whose report equals the original's.
+  kept = tmp_path / "archive"
+  study.main(report_only + ["--archive", str(kept)])
+  assert "records of 3 finished runs" in capsys.readouterr().out
+  assert not list(kept.rglob("checkpoints")) and (kept / "seed1" / "sft" / "metrics.jsonl").exists()
+  study.main(["--root", str(kept), "--preset", "smoke", "--report-only"])
+  capsys.readouterr()
+  archived = json.loads((kept / "summary.json").read_text())
+  assert archived["runs"] == summary["runs"] and archived["differences"] == summary["differences"]
+  sizes = [sum(f.stat().st_size for f in (d / m).glob("metrics.jsonl"))
+           for d, m in ((kept, "seed1/eppo"), (tmp_path, "seed1/eppo"))]
+  assert sizes[0] < sizes[1] / 2, sizes
+
   # A run cut after its step-2 checkpoint resumes there and ends where the whole run ended.
   workdir = tmp_path / "seed1" / "grpo"
   whole = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
