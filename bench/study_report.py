@@ -162,6 +162,9 @@ def write_report(root: Path, config, baseline: str, command: tuple[str, str],
               f"{' '.join(map(str, seeds))} --methods {' '.join(methods)}`"
               + (f" (and `--variant` for {', '.join(variants)})" if variants else "")
               + "; one process per seed with `--seeds S`.")
+    if not any(root.glob("seed*/*/checkpoints")):
+      origin += (" This root is an archive (records, no checkpoints): give the training command "
+                 "a new `--root`.")
   else:
     origin = f"No run has finished yet; the driver is `{command[0]}`."
   lines = ["# Study report", "",

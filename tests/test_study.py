@@ -264,6 +264,7 @@ def test_driver_end_to_end_resumes_and_reports(compile_cache, tmp_path, capsys):
   capsys.readouterr()
   archived = json.loads((kept / "summary.json").read_text())
   assert archived["runs"] == summary["runs"] and archived["differences"] == summary["differences"]
+  assert "is an archive" in (kept / "results.md").read_text() and "is an archive" not in report
   sizes = [sum(f.stat().st_size for f in (d / m).glob("metrics.jsonl"))
            for d, m in ((kept, "seed1/eppo"), (tmp_path, "seed1/eppo"))]
   assert sizes[0] < sizes[1] / 2, sizes
