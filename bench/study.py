@@ -263,6 +263,8 @@ def main(argv=None):
   except ValueError as e:
     parser.error(str(e))
   root = Path(args.root)
+  if args.archive and Path(args.archive).resolve() == root.resolve():
+    parser.error("--archive needs a directory other than --root (it trims the records it copies)")
   check_protocol(root, base)
   jobs = [(m, "") for m in args.methods] + [(args.methods[0], v) for v in args.variant]
   given = " ".join(argv if argv is not None else sys.argv[1:])
