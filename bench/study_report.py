@@ -246,7 +246,7 @@ def write_report(root: Path, config, baseline: str, command: tuple[str, str],
   _write(root / "results.md", "\n".join(lines) + "\n")
   summary = {"tasks": tasks, "num_steps": t.num_steps, "runs": metrics, "differences": diffs,
              "unfinished": partial}
-  _write(root / "summary.json", json.dumps(summary, indent=1, default=str))
+  _write(root / "summary.json", json.dumps(summary, indent=1, default=str, sort_keys=True))
   plot(root / "curves.png", done, names, tasks)
   return summary
 
