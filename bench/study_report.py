@@ -52,14 +52,19 @@ def finished(workdir: Path, num_steps: int) -> bool:
   return path.exists() and json.loads(path.read_text()).get("step", -1) >= num_steps
 
 
+def _logged_workdirs(root: Path):
+  """(seed, run directory) of every run under `root/seed<S>/` that has logged a record."""
+  for log in sorted(root.glob("seed*/*/metrics.jsonl")):
+    if log.parent.parent.name[4:].isdigit():
+      yield int(log.parent.parent.name[4:]), log.parent
+
+
 def load_runs(root: Path, num_steps: int) -> tuple[dict, dict]:
   """({name: {seed: records}} of finished runs, {name: {seed: last step}} of unfinished ones)."""
   done, partial = {}, {}
-  for log in sorted(root.glob("seed*/*/metrics.jsonl")):
-    workdir = log.parent
-    if workdir.name == "sft" or not workdir.parent.name[4:].isdigit():
+  for seed, workdir in _logged_workdirs(root):
+    if workdir.name == "sft":
       continue
-    seed = int(workdir.parent.name[4:])
     records = read_records(workdir)
     if finished(workdir, num_steps):
       done.setdefault(workdir.name, {})[seed] = records
@@ -76,22 +81,18 @@ def archive(root: Path, dest: Path, num_steps: int) -> int:
   exactly as the original: small enough to commit, where checkpoints and run directories are not.
   """
   copied = 0
-  shutil.copy2(root / "protocol.json", _made(dest) / "protocol.json")
-  for log in sorted(root.glob("seed*/*/metrics.jsonl")):
-    workdir = log.parent
+  dest.mkdir(parents=True, exist_ok=True)
+  shutil.copy2(root / "protocol.json", dest / "protocol.json")
+  for _, workdir in _logged_workdirs(root):
     if not finished(workdir, 0 if workdir.name == "sft" else num_steps):
       continue
     kept = [{k: v for k, v in r.items() if ARCHIVED_KEY.fullmatch(k)} for r in read_records(workdir)]
-    out = _made(dest / workdir.relative_to(root))
+    out = dest / workdir.relative_to(root)
+    out.mkdir(parents=True, exist_ok=True)
     _write(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in kept))
     shutil.copy2(workdir / "final_metrics.json", out / "final_metrics.json")
     copied += 1
   return copied
-
-
-def _made(path: Path) -> Path:
-  path.mkdir(parents=True, exist_ok=True)
-  return path
 
 
 def _only_seeds(runs: dict, seeds) -> dict:
