@@ -55,8 +55,9 @@ def main() -> None:
   if looks[0] < stats.MIN_SEEDS or list(looks) != sorted(set(looks)):
     parser.error(f"--looks needs increasing seed counts from {stats.MIN_SEEDS}, got {args.looks}")
   rng = np.random.default_rng(args.seed)
+  sd = OBSERVED.std(ddof=1)
   models = {
-      f"normal, SD {OBSERVED.std(ddof=1):.3f}": lambda n: rng.normal(0.0, OBSERVED.std(ddof=1), n),
+      f"normal, SD {sd:.3f}": lambda n: rng.normal(0.0, sd, n),
       "observed differences, centred": lambda n: rng.choice(OBSERVED - OBSERVED.mean(), n),
   }
   print(f"P(\"effect\" | no effect), looks at {', '.join(map(str, looks))} seeds, "
@@ -64,9 +65,11 @@ def main() -> None:
   for name, draw in models.items():
     per_look, reached, only_last = false_effect_rates(draw, looks, args.sims, args.resamples)
     added = ", ".join(f"at {n} {rate:.3f}" for n, rate in per_look.items())
-    print(f"  {name}: over all looks {sum(per_look.values()):.3f} ({added}); "
-          f"at {looks[-1]} once the earlier looks left it unresolved {per_look[looks[-1]] / reached:.3f}; "
-          f"one look at {looks[-1]} alone {only_last:.3f}")
+    last = looks[-1]
+    print(f"  {name}: over all looks {sum(per_look.values()):.3f} ({added}); at {last} once the "
+          f"earlier looks left it unresolved {per_look[last] / reached:.3f}; "
+          f"one look at {last} alone {only_last:.3f}")
+
 
 if __name__ == "__main__":
   main()
