@@ -55,8 +55,9 @@ def finished(workdir: Path, num_steps: int) -> bool:
 def _logged_workdirs(root: Path):
   """(seed, run directory) of every run under `root/seed<S>/` that has logged a record."""
   for log in sorted(root.glob("seed*/*/metrics.jsonl")):
-    if log.parent.parent.name[4:].isdigit():
-      yield int(log.parent.parent.name[4:]), log.parent
+    seed = log.parent.parent.name[len("seed"):]
+    if seed.isdigit():
+      yield int(seed), log.parent
 
 
 def load_runs(root: Path, num_steps: int) -> tuple[dict, dict]:
