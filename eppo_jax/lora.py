@@ -12,6 +12,7 @@ import dataclasses
 import flax.traverse_util as tu
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from eppo_jax.models.config import LoraConfig, ModelConfig
@@ -76,6 +77,17 @@ def masked_optimizer(tx: optax.GradientTransformation, mask) -> optax.GradientTr
   return optax.multi_transform({"train": tx, "freeze": optax.set_to_zero()}, labels)
 
 
+def merge_kernel(kernel, lora_a, lora_b, scale: float):
+  """W + (A @ B) * scale, summed in float32 and cast back to W's dtype; NumPy or JAX arrays.
+
+  The one merge formula: `merge` applies it on devices, `models.hf.export_hf` per tensor on the
+  host. [..., in, out] kernels with [..., in, r] and [..., r, out] adapters (leading axes batch).
+  """
+  xp = jnp if any(isinstance(x, jax.Array) for x in (kernel, lora_a, lora_b)) else np
+  delta = xp.matmul(lora_a.astype(np.float32), lora_b.astype(np.float32)) * np.float32(scale)
+  return (kernel.astype(np.float32) + delta).astype(kernel.dtype)
+
+
 def merge(params, config: ModelConfig):
   """Folds every adapter into its kernel (W + A @ B * scale) and drops the adapter leaves."""
   flat = tu.flatten_dict(params)
@@ -85,9 +97,8 @@ def merge(params, config: ModelConfig):
     if is_lora_path(path):
       continue
     if path[-1] == "kernel" and path[:-1] + ("lora_a",) in flat:
-      a, b = flat[path[:-1] + ("lora_a",)], flat[path[:-1] + ("lora_b",)]
-      delta = jnp.einsum("...ir,...ro->...io", a, b) * scale
-      value = (value.astype(jnp.float32) + delta).astype(value.dtype)
+      value = merge_kernel(value, flat[path[:-1] + ("lora_a",)], flat[path[:-1] + ("lora_b",)],
+                           scale)
     merged[path] = value
   return tu.unflatten_dict(merged)
 
