@@ -6,15 +6,20 @@ import contextlib
 import dataclasses
 import json
 import os
+import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
+from jax.sharding import Mesh, NamedSharding
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from eppo_jax import lora
+from eppo_jax import mesh as meshlib
 from eppo_jax.models.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -206,9 +211,9 @@ def _open_weights(file: Path):
                      "truncated or corrupt: download or export it again") from e
 
 
-def load_params(model_dir: Path, config: ModelConfig) -> dict:
-  """Reads every tensor once, stacking layers in place; refuses partial or mis-shaped checkpoints."""
-  tensor_map = _tensor_map(config)
+def _check_checkpoint(model_dir: Path, config: ModelConfig,
+                      tensor_map: dict[str, _Slot]) -> dict[str, Path]:
+  """The file of every HF tensor; refuses partial or mis-shaped checkpoints before any read."""
   files = _weight_files(model_dir)
   where: dict[str, Path] = {}
   shapes: dict[str, tuple] = {}
@@ -231,79 +236,188 @@ def load_params(model_dir: Path, config: ModelConfig) -> dict:
         f"  missing tensors: {missing[:20]}{' ...' if len(missing) > 20 else ''}\n"
         f"  unexpected tensors: {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}\n"
         f"  mis-shaped tensors: {misshaped}\n  files: {[str(p) for p in files]}")
+  return where
 
+
+def _leaf_shape(slot: _Slot, config: ModelConfig) -> tuple[int, ...]:
+  """The param leaf's shape: the HF shape transposed where needed, layers stacked in front."""
+  shape = slot.hf_shape[::-1] if slot.transpose else slot.hf_shape
+  return shape if slot.layer is None else (config.num_layers,) + shape
+
+
+def _read_block(entries: list[tuple[str, _Slot]], where: dict[str, Path],
+                bounds: tuple[tuple[int, int], ...], dtype) -> np.ndarray:
+  """The block `bounds` ((start, stop) per leaf axis) of one leaf, read from its HF tensors.
+
+  Only the rows and columns inside the block are read (`get_slice`), and only the layers it spans.
+  """
+  block = _aligned_empty(tuple(stop - start for start, stop in bounds), dtype)
+  stacked = entries[0][1].layer is not None
+  inner = bounds[1:] if stacked else bounds
+  for name, slot in entries:
+    if stacked and not bounds[0][0] <= slot.layer < bounds[0][1]:
+      continue
+    index = tuple(slice(start, stop) for start, stop in inner)
+    # Open per tensor: the file is memory-mapped, and closing unmaps the pages just read, so
+    # they do not accumulate in the process's resident set.
+    with _open_weights(where[name]) as f:
+      part = f.get_slice(name)[index[::-1] if slot.transpose else index]
+    # One copy per tensor: transposition and dtype conversion happen while writing the block.
+    block[slot.layer - bounds[0][0] if stacked else ()] = part.T if slot.transpose else part
+    del part
+  return block
+
+
+def _place_leaf(path: tuple[str, ...], entries: list[tuple[str, _Slot]], where: dict[str, Path],
+                config: ModelConfig, mesh: Optional[Mesh]) -> jax.Array:
+  """One param leaf on the default device, or split over `mesh` by its layout rule."""
+  shape = _leaf_shape(entries[0][1], config)
+  dtype = config.weight_dtype
+  if mesh is None:
+    # `device_put`, not `jnp.asarray`: the latter always copies, doubling the leaf on the host.
+    return jax.device_put(_read_block(entries, where, tuple((0, n) for n in shape), dtype))
+  keys = tuple(jax.tree_util.DictKey(k) for k in ("params",) + path)
+  sharding = NamedSharding(mesh, meshlib.param_spec(keys, shape, mesh))
+  blocks: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+
+  def read(index: tuple[slice, ...]) -> np.ndarray:
+    # Called once per local device; devices holding the same block (replicas) share one read.
+    bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+    if bounds not in blocks:
+      blocks[bounds] = _read_block(entries, where, bounds, dtype)
+    return blocks[bounds]
+
+  return jax.make_array_from_callback(shape, sharding, read)
+
+
+def load_params(model_dir: Path, config: ModelConfig, mesh: Optional[Mesh] = None) -> dict:
+  """Reads every tensor once, stacking layers in place; refuses partial or mis-shaped checkpoints.
+
+  With `mesh`, each leaf is created with its `mesh.param_spec` sharding: every device receives only
+  its own block, read straight from the files, and each host reads only what its devices hold.
+  """
+  tensor_map = _tensor_map(config)
+  where = _check_checkpoint(model_dir, config, tensor_map)
   # Group HF tensors by destination leaf so each stacked [L, ...] leaf is built once, moved to the
   # device and released: peak host memory stays near one leaf, not a second copy of the model.
   by_leaf: dict[tuple[str, ...], list[tuple[str, _Slot]]] = {}
   for name, slot in tensor_map.items():
     by_leaf.setdefault(slot.path, []).append((name, slot))
   params: dict = {}
-  dtype = config.weight_dtype
   for path, entries in by_leaf.items():
-    buffer = None
-    for name, slot in entries:
-      # Open per tensor: the file is memory-mapped, and closing unmaps the pages just read, so
-      # they do not accumulate in the process's resident set.
-      with _open_weights(where[name]) as f:
-        tensor = f.get_tensor(name)
-      tensor = tensor.T if slot.transpose else tensor
-      if buffer is None:
-        lead = () if slot.layer is None else (config.num_layers,)
-        buffer = _aligned_empty(lead + tensor.shape, dtype)
-      # One copy per tensor: transposition and dtype conversion happen while writing the leaf.
-      buffer[() if slot.layer is None else slot.layer] = tensor
-      del tensor
-    # `device_put`, not `jnp.asarray`: the latter always copies, doubling the leaf on the host.
-    _set(params, path, jax.device_put(buffer))
-    del buffer
+    _set(params, path, _place_leaf(path, entries, where, config, mesh))
   return {"params": params}
 
 
-def _iter_hf_tensors(params: dict, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-  """(HF name, array) for every base tensor, LoRA merged into its kernel."""
-  from eppo_jax import lora  # pylint: disable=g-import-not-at-top
-  merged = lora.merge(params, config)["params"]
+# A layer of a stacked leaf, taken where the leaf lives: a sharded leaf stays sharded, so only one
+# layer is ever gathered. The index is traced, so each leaf shape compiles once, not once per layer.
+_take_layer = jax.jit(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, keepdims=False))
+
+
+def _host_layer(leaf, layer: Optional[int]) -> np.ndarray:
+  """Layer `layer` of a leaf (the whole leaf if None) as NumPy; every host must call it together."""
+  if not isinstance(leaf, jax.Array):
+    leaf = np.asarray(leaf)
+    return leaf if layer is None else leaf[layer]
+  return meshlib.fetch(leaf if layer is None else _take_layer(leaf, layer))
+
+
+def _hf_tensor(params: dict, slot: _Slot, scale: float) -> np.ndarray:
+  """One HF tensor on the host: its layer of the leaf, LoRA merged in, in HF orientation."""
+  node = params
+  for key in slot.path[:-1]:
+    node = node[key]
+  value = _host_layer(node[slot.path[-1]], slot.layer)
+  if slot.path[-1] == "kernel" and "lora_a" in node:
+    value = lora.merge_kernel(value, _host_layer(node["lora_a"], slot.layer),
+                              _host_layer(node["lora_b"], slot.layer), scale)
+  return np.ascontiguousarray(value.T if slot.transpose else value)
+
+
+def _shard_plan(params: dict, config: ModelConfig,
+                max_shard_bytes: int) -> list[list[tuple[str, _Slot]]]:
+  """HF tensors grouped into files of at most `max_shard_bytes` (or one tensor each), by shape."""
+  shards: list[list[tuple[str, _Slot]]] = [[]]
+  size = 0
   for name, slot in _tensor_map(config).items():
-    leaf = merged
+    leaf = params
     for key in slot.path:
       leaf = leaf[key]
-    value = np.asarray(leaf[slot.layer] if slot.layer is not None else leaf)
-    yield name, np.ascontiguousarray(value.T if slot.transpose else value)
+    nbytes = int(np.prod(slot.hf_shape)) * np.dtype(leaf.dtype).itemsize
+    if size and size + nbytes > max_shard_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append((name, slot))
+    size += nbytes
+  return shards
+
+
+def _is_remote(path: epath.Path) -> bool:
+  return "://" in str(path)
+
+
+def _save_safetensors(tensors: dict[str, np.ndarray], dst: epath.Path) -> None:
+  """`save_file` to a local file, or to a temporary one copied to a remote `dst`."""
+  if not _is_remote(dst):
+    save_file(tensors, os.fspath(dst), metadata={"format": "pt"})
+    return
+  with tempfile.TemporaryDirectory() as tmp:
+    local = Path(tmp) / dst.name
+    save_file(tensors, str(local), metadata={"format": "pt"})
+    epath.Path(local).copy(dst, overwrite=True)
+
+
+def _save_tokenizer(tokenizer, out_dir: epath.Path) -> None:
+  if not _is_remote(out_dir):
+    tokenizer.save_pretrained(os.fspath(out_dir))
+    return
+  with tempfile.TemporaryDirectory() as tmp:
+    tokenizer.save_pretrained(tmp)
+    for file in Path(tmp).iterdir():
+      epath.Path(file).copy(out_dir / file.name, overwrite=True)
 
 
 def export_hf(params, config: ModelConfig, out_dir, tokenizer=None,
-              max_shard_bytes: int = 4 << 30) -> Path:
-  """Writes safetensors (LoRA merged), config.json and the tokenizer; `transformers` loads it."""
-  out_dir = Path(out_dir)
-  out_dir.mkdir(parents=True, exist_ok=True)
-  # Weights of an earlier export into the same directory must go: a stale index next to a new
-  # single file (or stale shards next to a new index) would make readers disagree on the weights.
-  for stale in [out_dir / "model.safetensors", out_dir / "model.safetensors.index.json",
-                *out_dir.glob("model-*-of-*.safetensors")]:
-    stale.unlink(missing_ok=True)
-  shards: list[dict[str, np.ndarray]] = [{}]
-  size = 0
-  for name, value in _iter_hf_tensors(params, config):
-    if size and size + value.nbytes > max_shard_bytes:
-      shards.append({})
-      size = 0
-    shards[-1][name] = value
-    size += value.nbytes
-  if len(shards) == 1:
-    save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-  else:
-    weight_map = {}
-    for i, shard in enumerate(shards):
-      fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-      save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
-      weight_map.update({name: fname for name in shard})
-    index = {"metadata": {"total_size": sum(v.nbytes for s in shards for v in s.values())},
-             "weight_map": weight_map}
+              max_shard_bytes: int = 4 << 30) -> epath.Path:
+  """Writes safetensors (LoRA merged), config.json and the tokenizer; `transformers` loads it.
+
+  Streams: one HF tensor at a time is fetched to the host (a sharded leaf's layer is gathered,
+  never the whole model onto one device), merged with its adapter in NumPy and added to the
+  current file, which is written when full; so the host holds at most one file plus one tensor.
+  On several hosts every process must call this (each takes part in the gathers); only process 0
+  writes. `out_dir` may be a local path or any `etils.epath` path or URL (e.g. `gs://...`).
+  """
+  out_dir = epath.Path(out_dir)
+  writer = jax.process_index() == 0
+  params = params["params"]
+  shards = _shard_plan(params, config, max_shard_bytes)
+  if writer:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Weights of an earlier export into the same directory must go: a stale index next to a new
+    # single file (or stale shards next to a new index) would make readers disagree on the weights.
+    for stale in [out_dir / "model.safetensors", out_dir / "model.safetensors.index.json",
+                  *out_dir.glob("model-*-of-*.safetensors")]:
+      stale.unlink(missing_ok=True)
+  scale = config.lora.scale if config.lora is not None else 0.0
+  names = (["model.safetensors"] if len(shards) == 1 else
+           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+  weight_map, total = {}, 0
+  for fname, shard in zip(names, shards):
+    tensors = {name: _hf_tensor(params, slot, scale) for name, slot in shard}
+    if writer:
+      _save_safetensors(tensors, out_dir / fname)
+    weight_map.update({name: fname for name in tensors})
+    total += sum(v.nbytes for v in tensors.values())
+    del tensors
+  if not writer:
+    return out_dir
+  if len(shards) > 1:
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
   hf = config_to_hf(config, tokenizer)
   (out_dir / "config.json").write_text(json.dumps(hf, indent=2))
   if tokenizer is not None:
-    tokenizer.save_pretrained(str(out_dir))
+    _save_tokenizer(tokenizer, out_dir)
   return out_dir
 
 
@@ -331,8 +445,12 @@ def load_tokenizer(model_dir: Path):
 
 
 def load_pretrained(path_or_hub_id, dtype=jnp.float32, *, param_dtype=None,
-                    with_tokenizer: bool = True) -> Pretrained:
-  """Loads an HF Llama / Qwen2 / Qwen3 checkpoint: `.config`, `.params`, `.tokenizer`."""
+                    with_tokenizer: bool = True, mesh: Optional[Mesh] = None) -> Pretrained:
+  """Loads an HF Llama / Qwen2 / Qwen3 checkpoint: `.config`, `.params`, `.tokenizer`.
+
+  With `mesh`, every weight is created split by `mesh.shardings` (each device reads just its block;
+  no device ever holds a whole split leaf); without, the weights go to the default device.
+  """
   model_dir = resolve_model_dir(path_or_hub_id)
   config_file = model_dir / "config.json"
   if not config_file.exists():
@@ -341,7 +459,7 @@ def load_pretrained(path_or_hub_id, dtype=jnp.float32, *, param_dtype=None,
   config = config_from_hf(json.loads(config_file.read_text()), dtype=dtype_name,
                           param_dtype=jnp.dtype(param_dtype).name if param_dtype else None,
                           source=str(config_file))
-  params = load_params(model_dir, config)
+  params = load_params(model_dir, config, mesh)
   tokenizer = load_tokenizer(model_dir) if with_tokenizer else None
   return Pretrained(config, params, tokenizer, model_dir)
 
