@@ -24,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs import multitask  # noqa: E402  pylint: disable=wrong-import-position
 from eppo_jax import agent, train  # noqa: E402  pylint: disable=wrong-import-position
-from eppo_jax import mesh as meshlib  # noqa: E402  pylint: disable=wrong-import-position
 from eppo_jax.envs.sampler import TaskSampler  # noqa: E402  pylint: disable=wrong-import-position
 
 
@@ -41,29 +40,25 @@ def main():
   config.sft.enabled = False
   instances = args.instances or config.rollout.instances_per_step
   group = args.group or config.rollout.group_size
-  with tempfile.TemporaryDirectory() as tmp:
-    model, params, tokenizer = train.load_model(config, Path(tmp))
-  stop_ids = [tokenizer.eos_token_id]
-  mesh = meshlib.make_mesh(config.mesh)
-  run = train.Run(config, model, tokenizer,
-                  agent.ChatFormat(tokenizer, stop_ids, config.tasks.system_prompt),
-                  {}, list(config.tasks.specs), agent.EnvStepper(), mesh)
-  trainable = meshlib.put(params, meshlib.shardings(params, mesh))
+  trainer = train.Trainer(config, Path(tempfile.mkdtemp(prefix="collect_")), signals=None)
+  trainer.setup()  # The trainer's model, shardings, policy and environments.
   sampler = TaskSampler(config.tasks.specs, seed=0)
   print(f"{jax.device_count()} devices; {instances} instances x {group} episodes per batch; "
         f"tasks {list(config.tasks.specs)}")
   rows = []
   for i in range(args.batches + 1):  # The first batch compiles.
     batch = [agent.Instance(k, config.tasks.specs[k], s) for k, s in sampler.sample(instances)]
-    run.stepper.seconds = 0.0
+    trainer.stepper.seconds = 0.0
     start = time.perf_counter()
-    episodes = run.play(run.policy(trainable, jax.random.PRNGKey(i), greedy=False), batch, group)
+    episodes = trainer.play(trainer.policy(jax.random.PRNGKey(i), greedy=False), batch, group)
     total = time.perf_counter() - start
-    rows.append((total, run.stepper.seconds, len(episodes.rewards),
+    rows.append((total, trainer.stepper.seconds, len(episodes.rewards),
                  int(episodes.attention_mask.sum()), float(episodes.turns.mean())))
-    print(f"batch {i}{' (compile)' if i == 0 else ''}: {total:.2f}s, env {run.stepper.seconds:.3f}s,"
+    print(f"batch {i}{' (compile)' if i == 0 else ''}: {total:.2f}s, "
+          f"env {trainer.stepper.seconds:.3f}s,"
           f" {rows[-1][2]} episodes, {rows[-1][3]} tokens, {rows[-1][4]:.1f} turns/episode")
   total, env_s, n, tokens, _ = (np.sum([r[j] for r in rows[1:]]) for j in range(5))
+  trainer.close()
   print(f"\nsteady state: {n / total:.1f} episodes/s, {tokens / total:.0f} tokens/s; "
         f"generation {100 * (total - env_s) / total:.1f}% / environments "
         f"{100 * env_s / total:.1f}% of collection time")

@@ -38,8 +38,11 @@ def tiny_model_options() -> dict:
   are chosen for CPU): the benchmarks run the model the default job runs."""
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
   from configs import multitask  # pylint: disable=g-import-not-at-top
-  from eppo_jax import train  # pylint: disable=g-import-not-at-top
-  return train.model_options(multitask.get_config("tiny"))
+  from eppo_jax import programs  # pylint: disable=g-import-not-at-top
+  from eppo_jax.models.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  model = programs.model_config(multitask.get_config("tiny"), ModelConfig())
+  return {k: getattr(model, k) for k in ("remat", "attention_impl", "attention_block_q",
+                                         "attention_block_k")}
 
 
 def use_cores(n: int) -> int:

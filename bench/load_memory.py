@@ -71,6 +71,7 @@ MESH_CODE = """
 import collections, json, sys, time
 import jax, jax.numpy as jnp
 import eppo_jax
+from eppo_jax import hosts
 from eppo_jax import mesh as meshlib
 mesh = meshlib.make_mesh(meshlib.MeshConfig(1, int(sys.argv[2]), 1))
 peak = collections.Counter()
@@ -105,7 +106,7 @@ if sys.argv[3] == "sharded":
                                     mesh=mesh).params
 else:
   params = eppo_jax.load_pretrained(sys.argv[1], dtype=jnp.bfloat16, with_tokenizer=False).params
-  params = meshlib.put(params, meshlib.shardings(params, mesh))
+  params = hosts.put(params, meshlib.shardings(params, mesh))
 jax.block_until_ready(params)
 leaves = jax.tree_util.tree_leaves(params)
 print("RESULT " + json.dumps({

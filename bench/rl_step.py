@@ -12,7 +12,8 @@ B single-turn Countdown prompts (chat template, the tiny config's one-line syste
 sampled completions of each (temperature 1, at most N new tokens, stop at `<|im_end|>`), the
 environment's verdict on each completion as the reward, GRPO advantages, and one policy update of
 `--minibatches` optimizer steps over the B x G completions (full fine-tuning, AdamW, clip 1.0, no
-KL). Our side: pmapped `sampling.rollout` -> host rewards -> pmapped `steps.train_step` (which
+KL). Our side: `sampling.rollout` -> host rewards -> `steps.train_step`, each jitted over a
+data-parallel mesh as the trainer runs them (the update
 re-scores old log-probs, paces and computes the advantages; the LM head runs at the completion's
 positions only, `StepConfig.loss_tokens_per_row`, as in the trainer). TRL: `GRPOTrainer` with
 `num_generations=G`, `per_device_train_batch_size = B x G / minibatches`,
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import os
 import tempfile
 import time
@@ -80,7 +80,7 @@ def build_model(name: str, out_dir: str) -> str:
   from eppo_jax import train  # pylint: disable=g-import-not-at-top
   from eppo_jax.models import tiny  # pylint: disable=g-import-not-at-top
   # The trainer's own tokenizer corpus, so the tokenizer is the one a real run would use.
-  corpus = train._tokenizer_corpus([TASK])  # pylint: disable=protected-access
+  corpus = train.tokenizer_corpus([TASK])
   spec = tiny.TinySpec(vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=4,
                        num_heads=4, num_kv_heads=2)
   if name == "tiny":
@@ -121,9 +121,11 @@ class OurStep:
     import jax  # pylint: disable=g-import-not-at-top
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
     import eppo_jax  # pylint: disable=g-import-not-at-top
-    from eppo_jax import lora, objective, pacing, parallel, sampling, steps  # noqa: E402
-    from eppo_jax.train import make_optimizer  # pylint: disable=g-import-not-at-top
-    self.jax, self.parallel, self.sampling, self.args = jax, parallel, sampling, args
+    from eppo_jax import hosts, lora, objective, pacing, programs, sampling, steps  # noqa: E402
+    from eppo_jax import mesh as meshlib  # pylint: disable=g-import-not-at-top
+    self.jax, self.hosts, self.programs, self.sampling, self.args = (jax, hosts, programs,
+                                                                     sampling, args)
+    self.mesh = mesh = meshlib.make_mesh(meshlib.DATA_ONLY)
     pre = eppo_jax.load_pretrained(model_dir)
     self.tokenizer = pre.tokenizer
     model = pre.config.replace(**common.tiny_model_options())
@@ -147,30 +149,27 @@ class OurStep:
     pacing_cfg, loss_cfg = objective.method_configs("grpo")  # Fixed clip 0.2, as TRL's epsilon.
     self.cfg = steps.StepConfig(model=model, pacing=pacing_cfg, loss=loss_cfg, num_tasks=1,
                                 num_groups=args.prompts, temperature=1.0,
-                                num_minibatches=args.minibatches, **extra)
-    self.tx = tx = make_optimizer(LR, 0, 0.0, 1.0)
+                                num_minibatches=args.minibatches, group_size=args.group,
+                                minibatch_sharding=meshlib.minibatch_sharding(mesh), **extra)
+    self.tx = tx = programs.make_optimizer(LR, 0, 0.0, 1.0)
     state = steps.TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable,
                              opt_state=tx.init(trainable), pacing=pacing.init_pacing(1))
-    self.state, self.frozen = parallel.replicate(state), parallel.replicate(frozen)
-    self.p_sample = jax.pmap(sample, axis_name=parallel.AXIS)
+    self.state_sh, self.frozen_sh = meshlib.shardings(state, mesh), meshlib.shardings(frozen, mesh)
+    self.state, self.frozen = hosts.put(state, self.state_sh), hosts.put(frozen, self.frozen_sh)
+    rows = meshlib.batch_sharding(mesh)
+    self.sample = jax.jit(sample, in_shardings=(None, None, rows, rows, meshlib.replicated(mesh)))
     self.updates, self.steps_lib = {}, steps
     # As the trainer (`optim.share_prompt`): each group's prompt runs once in the update, where
-    # this eppo_jax can and every device's minibatches hold whole groups.
-    per_minibatch = args.prompts * args.group // jax.local_device_count() // args.minibatches
-    fields = {f.name for f in dataclasses.fields(steps.StepConfig)}
-    self.share_prompt = (args.share_prompt == "on" and not per_minibatch % args.group
-                         and "shared_prefix" in fields)
+    # the minibatches hold whole groups.
+    self.share_prompt = args.share_prompt == "on" and not args.prompts % args.minibatches
     self.shared = set()  # The shared prefix lengths used.
     self.key = jax.random.PRNGKey(0)
 
   def update_fn(self, shared: int):
-    """The pmapped update for a batch whose groups share their first `shared` tokens."""
+    """The jitted update for a batch whose groups share their first `shared` tokens."""
     if shared not in self.updates:
-      cfg = self.cfg if not shared else dataclasses.replace(self.cfg, shared_prefix=shared,
-                                                            group_size=self.args.group)
-      self.updates[shared] = self.jax.pmap(
-          functools.partial(self.steps_lib.train_step, cfg=cfg, tx=self.tx),
-          axis_name=self.parallel.AXIS, donate_argnums=(0,))
+      self.updates[shared] = self.programs.jit_update(self.cfg, self.tx, self.state_sh,
+                                                      self.frozen_sh, self.mesh, shared)
     return self.updates[shared]
 
   def encode(self, texts) -> list[list[int]]:
@@ -179,14 +178,14 @@ class OurStep:
 
   def step(self, i: int, prompt_ids, seeds, width: int) -> dict:
     """One RL step on B prompts; returns timings and the number of generated tokens."""
-    jax, parallel, g = self.jax, self.parallel, self.args.group
+    jax, hosts, g = self.jax, self.hosts, self.args.group
     start = time.perf_counter()
     rows = [p for p in prompt_ids for _ in range(g)]  # Group-major: prompt b -> rows b*G..b*G+G-1.
     prompt_BxP, prompt_mask_BxP = self.sampling.left_pad(rows, [width], self.tokenizer.pad_token_id)
-    keys = parallel.replicate(jax.random.fold_in(self.key, 2 * i))
-    out = self.p_sample(self.state.trainable, self.frozen, parallel.shard(prompt_BxP),
-                        parallel.shard(prompt_mask_BxP), keys)
-    tokens_BxN, mask_BxN, *scores = (np.asarray(x).reshape((-1,) + x.shape[2:]) for x in out)
+    with jax.set_mesh(self.mesh):
+      out = self.sample(self.state.trainable, self.frozen, prompt_BxP, prompt_mask_BxP,
+                        jax.random.fold_in(self.key, 2 * i))
+    tokens_BxN, mask_BxN, *scores = hosts.fetch(out)
     generated = time.perf_counter()
     texts = self.tokenizer.batch_decode([t[m] for t, m in zip(tokens_BxN, mask_BxN)],
                                         skip_special_tokens=True)
@@ -202,15 +201,16 @@ class OurStep:
       zeros_BxP = np.zeros(prompt_BxP.shape, np.float32)
       batch.update({k: np.concatenate([zeros_BxP, x_BxN], 1)
                     for k, x_BxN in zip(("logprobs", "entropies"), scores)})
-    keys = parallel.replicate(jax.random.fold_in(self.key, 2 * i + 1))
     shared = 0
     if self.share_prompt:
       # Every step's prompts have one padded width W, so this is one value (W - 1) unrounded.
       shared = self.steps_lib.shared_prefix_length(batch["tokens"], batch["attention_mask"],
                                                batch["loss_mask"], g, multiple=1)
     self.shared.add(shared)
-    self.state, metrics = self.update_fn(shared)(self.state, self.frozen, parallel.shard(batch),
-                                                 keys)
+    with jax.set_mesh(self.mesh):
+      self.state, metrics = self.update_fn(shared)(self.state, self.frozen,
+                                                   hosts.put_rows(batch, self.mesh),
+                                                   jax.random.fold_in(self.key, 2 * i + 1))
     jax.block_until_ready((self.state, metrics))
     end = time.perf_counter()
     return dict(total=end - start, generate=generated - start, reward=rewarded - generated,

@@ -5,7 +5,7 @@
 
 One update = what `steps.train_step` does on a rollout batch: a teacher-forced pass for the old
 log-probs and entropies (pacing), GRPO advantages, then `--minibatches` forward + backward + AdamW
-steps (ppo_epochs = 1), compiled as `train.py` compiles it (`train.jit_update`, one program over a
+steps (ppo_epochs = 1), compiled as the trainer compiles it (`programs.jit_update`, one program over a
 one-device mesh, the state donated). The PyTorch reference
 is `transformers.LlamaForCausalLM` loaded from the same exported weights doing the same work on the
 same batch: a no-grad pass for old log-probs and entropies, then per minibatch the PPO-clip
@@ -83,27 +83,27 @@ def summarize(times: list[float], b: int, t: int) -> dict:
 
 def trainer_update(model_cfg, trainable, frozen, batch: dict, minibatches: int):
   """`steps.train_step` (EPPO, one PPO epoch) compiled as the trainer compiles it
-  (`train.jit_update`) on a one-device mesh, with `frozen` and the host `batch` placed there.
+  (`programs.jit_update`) on a one-device mesh, with `frozen` and the host `batch` placed there.
   -> (step(state, key) -> (state, metrics), state); the state holds copies, since it is donated."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from eppo_jax import mesh as meshlib, objective, pacing, steps, train  # noqa: E402
+  from eppo_jax import hosts, mesh as meshlib, objective, pacing, programs, steps  # noqa: E402
   mesh = meshlib.make_mesh(meshlib.DATA_ONLY, jax.local_devices()[:1])
   pacing_cfg, loss_cfg = objective.method_configs("eppo")
   cfg = steps.StepConfig(model=model_cfg, pacing=pacing_cfg, loss=loss_cfg, num_tasks=NUM_TASKS,
                          num_groups=len(batch["tokens"]) // GROUP, num_minibatches=minibatches,
-                         axis_name=None, minibatch_sharding=meshlib.minibatch_sharding(mesh))
-  tx = train.make_optimizer(LR, 0, 0.0, 1.0)
+                         minibatch_sharding=meshlib.minibatch_sharding(mesh))
+  tx = programs.make_optimizer(LR, 0, 0.0, 1.0)
   state = steps.TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable,
                            opt_state=tx.init(trainable), pacing=pacing.init_pacing(NUM_TASKS))
   state_sh, frozen_sh = meshlib.shardings(state, mesh), meshlib.shardings(frozen, mesh)
-  update = train.jit_update(cfg, tx, state_sh, frozen_sh, mesh)
-  frozen, batch = meshlib.put(frozen, frozen_sh), meshlib.put_rows(batch, mesh)
+  update = programs.jit_update(cfg, tx, state_sh, frozen_sh, mesh)
+  frozen, batch = hosts.put(frozen, frozen_sh), hosts.put_rows(batch, mesh)
 
   def step(state, key):
     with jax.set_mesh(mesh):  # Traced as the trainer traces it (see `mesh.constrain_rows`).
       return update(state, frozen, batch, key)
-  return step, meshlib.put(state, state_sh)
+  return step, hosts.put(state, state_sh)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,7 +165,7 @@ def torch_worker(args) -> dict:
     add_torch_lora(model, args.lora_rank, 2.0 * args.lora_rank)
   model.to(device)
   params = [p for p in model.parameters() if p.requires_grad]
-  # Same hyper-parameters as `train.make_optimizer` (clip by global norm 1, AdamW b2 = 0.99).
+  # Same hyper-parameters as `programs.make_optimizer` (clip by global norm 1, AdamW b2 = 0.99).
   opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.99), weight_decay=0.0)
   batch = make_batch(args.batch, args.seq, model.config.vocab_size)
   tokens = torch.from_numpy(batch["tokens"]).long().to(device)

@@ -143,7 +143,6 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.eval_instances_per_task = 32  # Held-out seeds, greedy decoding.
   c.train.checkpoint_every = 10
   c.train.checkpoint_keep = 2
-  c.train.log_every = 1
   c.train.max_bad_steps = 3  # Consecutive non-finite steps before the run stops.
   # XLA's persistent compilation cache ("" = off): a rerun, a resumed run or another run with the
   # same shapes loads its programs instead of compiling them (seconds each on CPU, minutes for

@@ -14,7 +14,7 @@ from eppo_jax.models.transformer import forward_with_cache, init_cache, init_par
 from eppo_jax.objective import LossConfig, eppo_loss, grpo_advantages, kl_penalty, method_configs
 from eppo_jax.pacing import (PacingConfig, PacingState, entropy_crossovers, entropy_spikes,
                              init_pacing, pacing_bounds, pacing_diagnostics, task_entropy,
-                             token_entropy, update_pacing)
-from eppo_jax.sampling import RolloutOutput, SamplingConfig, extend, rollout
+                             update_pacing)
+from eppo_jax.sampling import RolloutOutput, SamplingConfig, rollout
 
 __version__ = "0.1.0"

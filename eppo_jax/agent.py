@@ -91,8 +91,8 @@ def training_rewards(episodes: EpisodeBatch) -> np.ndarray:
 Policy = Callable[[np.ndarray, np.ndarray, object, np.ndarray], tuple]
 
 
-def bucket(n: int, multiple: int = 32) -> int:
-  """Rounds a length up to a multiple, so jitted shapes come from a handful of sizes.
+def round_up(n: int, multiple: int = 32) -> int:
+  """Rounds a length up to a multiple (at least one), so jitted shapes come from a few sizes.
 
   Multiples rather than `sampling.bucket`'s fixed list: turn chunks and episodes have no natural
   upper bound, and the cache size (`max_slots`) already caps what fits.
@@ -238,7 +238,7 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
 
   state, slots = None, 0
   for _ in range(max_turns):
-    width = bucket(max((len(p) for p, a in zip(pending, active) if a), default=1),
+    width = round_up(max((len(p) for p, a in zip(pending, active) if a), default=1),
                    length_multiple)
     if slots + width + max_new_tokens > max_slots:
       truncated |= active  # The next turn would overflow the cache.
@@ -278,7 +278,7 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
   truncated |= active  # Still playing after max_turns.
   pool.close()
 
-  width = bucket(max(1, max(len(c) for c in conv)), length_multiple)
+  width = round_up(max(1, max(len(c) for c in conv)), length_multiple)
   tokens = np.full((n, width), pad_id, np.int32)
   attention, loss = np.zeros((n, width), bool), np.zeros((n, width), bool)
   sampled = np.zeros((2, n, width), np.float32)

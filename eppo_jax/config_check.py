@@ -75,7 +75,6 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.eval_instances_per_task": (_at_least(1), ">= 1"),
     "train.checkpoint_every": (_at_least(1), ">= 1"),
     "train.checkpoint_keep": (_at_least(1), ">= 1"),
-    "train.log_every": (_at_least(1), ">= 1"),
     "train.max_bad_steps": (_at_least(1), ">= 1"),
     "distributed.num_processes": (_at_least(0), ">= 0"),
 }
@@ -167,10 +166,18 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if r.instances_per_step % jax.process_count():
     raise ConfigError(f"config.rollout.instances_per_step={r.instances_per_step} does not split "
                       f"over {jax.process_count()} hosts")
+  if shards < jax.process_count():
+    raise ConfigError(f"config.mesh data x fsdp = {shards} batch shards for {jax.process_count()} "
+                      "hosts: every host needs a batch shard of its own (raise mesh.data)")
   per_shard = episodes // shards
-  if per_shard % config.optim.num_minibatches:
+  o = config.optim
+  if per_shard % o.num_minibatches:
     raise ConfigError(f"{per_shard} episodes per batch shard are not divisible by "
-                      f"config.optim.num_minibatches={config.optim.num_minibatches}")
+                      f"config.optim.num_minibatches={o.num_minibatches}")
+  if o.share_prompt and r.instances_per_step % o.num_minibatches:
+    raise ConfigError(f"config.optim.share_prompt needs minibatches of whole groups: "
+                      f"instances_per_step={r.instances_per_step} is not divisible by "
+                      f"num_minibatches={o.num_minibatches} (or set share_prompt=False)")
   if config.loss.overrides.get("kl_coef", 0.0) and not m.lora_rank:
     raise ConfigError("config.loss.overrides.kl_coef needs LoRA (config.model.lora_rank > 0): "
                       "the KL reference is the base model with the adapters switched off")

@@ -5,7 +5,7 @@ r"""Does a preset fit a slice? AOT-compiles its train step and one rollout turn 
 
 No weights are loaded and nothing runs: the programs the trainer runs (`steps.train_step` on the
 preset's global batch, whole rows and, with `optim.share_prompt`, each group's prompt run once;
-`policy.compiled_turn` on its rollout batch and KV cache) are lowered on
+`programs.rollout_turn` on its rollout batch and KV cache) are lowered on
 abstract shapes (`jax.ShapeDtypeStruct`s carrying the mesh shardings of `eppo_jax.mesh`) and
 compiled for the topology, then `memory_analysis()` gives the bytes each device needs. A TPU
 topology (`v5e:4x4`, `v5p:2x2x2`, `v6e:2x4`, ...) needs libtpu (`pip install -e '.[fit]'`) but no
@@ -113,8 +113,8 @@ def chip_hbm_gib(devices) -> Optional[float]:
 
 def model_config(config):
   """The preset's ModelConfig (with LoRA and dtypes as the trainer sets them), without weights."""
+  from eppo_jax import programs  # pylint: disable=g-import-not-at-top
   from eppo_jax.models import hf  # pylint: disable=g-import-not-at-top
-  from eppo_jax.models.config import LoraConfig  # pylint: disable=g-import-not-at-top
   m = config.model
   if m.source == "tiny":
     h = dict(architectures=["LlamaForCausalLM"], vocab_size=m.tiny_vocab_size,
@@ -128,13 +128,9 @@ def model_config(config):
   else:
     raise ValueError(f"config.model.source={m.source!r}: no shape known; give a local HF "
                      f"directory or one of {sorted(MODEL_SHAPES)}")
-  from eppo_jax import train  # pylint: disable=g-import-not-at-top
-  cfg = hf.config_from_hf(h, dtype=m.dtype, param_dtype=m.param_dtype).replace(
-      **train.model_options(config))
-  if m.lora_rank:
-    cfg = cfg.replace(lora=LoraConfig(rank=m.lora_rank, alpha=m.lora_alpha,
-                                      targets=tuple(m.lora_targets)))
-  return cfg
+  cfg = programs.model_config(config, hf.config_from_hf(h, dtype=m.dtype,
+                                                        param_dtype=m.param_dtype))
+  return cfg.replace(lora=programs.lora_config(config))
 
 
 def _abstract(tree, shardings):
@@ -144,7 +140,7 @@ def _abstract(tree, shardings):
 
 
 def _abstract_params(model_cfg, mesh):
-  """(trainable, frozen) ShapeDtypeStructs on `mesh`, as `train.train` partitions them."""
+  """(trainable, frozen) ShapeDtypeStructs on `mesh`, as the trainer partitions them."""
   import jax  # pylint: disable=g-import-not-at-top
   from eppo_jax import lora, mesh as meshlib  # pylint: disable=g-import-not-at-top
   from eppo_jax.models.transformer import init_params  # pylint: disable=g-import-not-at-top
@@ -180,47 +176,35 @@ def compile_train(config, model_cfg, mesh, shared_prefix: int = 0) -> Fit:
   """The RL update of one step: `steps.train_step` on the preset's global batch; with
   `shared_prefix`, the variant that runs each group's first tokens once (`optim.share_prompt`)."""
   import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from eppo_jax import mesh as meshlib, pacing, steps, train  # pylint: disable=g-import-not-at-top
-  r, o = config.rollout, config.optim
-  step_cfg = train.step_config(config, model_cfg, mesh)  # What the trainer compiles.
-  tx = train.make_optimizer(o.learning_rate, o.warmup_steps, o.weight_decay, o.grad_clip)
+  from eppo_jax import mesh as meshlib, programs  # pylint: disable=g-import-not-at-top
+  step_cfg = programs.step_config(config, model_cfg, mesh)  # What the trainer compiles.
+  tx = programs.optimizer(config)
   trainable, frozen = _abstract_params(model_cfg, mesh)
-  state = jax.eval_shape(lambda t: steps.TrainState(
-      step=jnp.zeros((), jnp.int32), trainable=t, opt_state=tx.init(t),
-      pacing=pacing.init_pacing(len(config.tasks.specs))), trainable)
+  state = jax.eval_shape(lambda t: programs.init_state(config, t, tx), trainable)
   state_sh = meshlib.shardings(state, mesh)
-  b, t = r.instances_per_step * r.group_size, r.max_episode_tokens
   rows = meshlib.batch_sharding(mesh)
-  sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
-  batch = dict(tokens=sds((b, t), jnp.int32), attention_mask=sds((b, t), bool),
-               loss_mask=sds((b, t), bool), task_ids=sds((b,), jnp.int32),
-               group_ids=sds((b,), jnp.int32), rewards=sds((b,), jnp.float32))
-  if step_cfg.old_logprobs == "sampler":  # The rollout's numbers travel with the batch.
-    batch.update(logprobs=sds((b, t), jnp.float32), entropies=sds((b, t), jnp.float32))
-  key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=meshlib.replicated(mesh))
-  fn = train.jit_update(step_cfg, tx, state_sh, meshlib.shardings(frozen, mesh), mesh,
-                        shared_prefix, r.group_size)
-  with jax.set_mesh(mesh):  # Traced as `train.train` traces it (see `mesh.constrain_rows`).
+  batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows) for k, (shape, dtype) in
+           programs.batch_spec(config, step_cfg, config.rollout.max_episode_tokens).items()}
+  key = jax.ShapeDtypeStruct((2,), jax.numpy.uint32, sharding=meshlib.replicated(mesh))
+  fn = programs.jit_update(step_cfg, tx, state_sh, meshlib.shardings(frozen, mesh), mesh,
+                           shared_prefix)
+  with jax.set_mesh(mesh):  # Traced as the trainer traces it (see `mesh.constrain_rows`).
     return _measure("train_shared" if shared_prefix else "train_step",
                     lambda: fn.lower(_abstract(state, state_sh), frozen, batch, key))
 
 
 def compile_rollout(config, model_cfg, mesh, prompt_tokens: int) -> Fit:
-  """One rollout turn (`policy.compiled_turn`): prefill a chunk, decode a reply, full KV cache."""
+  """One rollout turn (`programs.rollout_turn`): prefill a chunk, decode a reply, full KV cache."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from eppo_jax import mesh as meshlib, policy  # pylint: disable=g-import-not-at-top
+  from eppo_jax import lora, mesh as meshlib, programs  # pylint: disable=g-import-not-at-top
   from eppo_jax.models.transformer import init_cache  # pylint: disable=g-import-not-at-top
-  from eppo_jax.sampling import SamplingConfig  # pylint: disable=g-import-not-at-top
   r = config.rollout
   b, s = r.instances_per_step * r.group_size, r.max_episode_tokens
-  sampling = SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                            top_p=r.top_p, top_k=r.top_k, stop_token_ids=(0,))
+  sampling = programs.sampling_config(config, (0,), 0, greedy=False)
   trainable, frozen = _abstract_params(model_cfg, mesh)
-  from eppo_jax import lora  # pylint: disable=g-import-not-at-top
   params = lora.combine(trainable, frozen)
-  _, turn = policy.compiled_turn(model_cfg, sampling, mesh, b, s, s)  # Worst case: whole cache.
+  turn = programs.rollout_turn(model_cfg, sampling, mesh, b, s, s).turn  # Worst: whole cache.
   rows = meshlib.batch_sharding(mesh)
   cache = jax.eval_shape(lambda: init_cache(model_cfg, b, s))
   cache = _abstract(cache, meshlib.cache_shardings(mesh, model_cfg.num_kv_heads))
@@ -237,7 +221,7 @@ def compile_rollout(config, model_cfg, mesh, prompt_tokens: int) -> Fit:
 def check(config, topology: str, prompt_tokens: int = 512, hbm_gib: float = 0.0,
           programs=("train", "rollout")) -> dict:
   """Compiles the preset's programs for `topology` -> {mesh, devices, hbm_gib, fits: [Fit]}."""
-  from eppo_jax import mesh as meshlib, train  # pylint: disable=g-import-not-at-top
+  from eppo_jax import mesh as meshlib  # pylint: disable=g-import-not-at-top
   devices = topology_devices(topology)
   mesh = meshlib.make_mesh(config.mesh, devices)
   # The layer loop's layout follows the platform it runs on (`ModelConfig.unroll_layers`), which
@@ -246,7 +230,7 @@ def check(config, topology: str, prompt_tokens: int = 512, hbm_gib: float = 0.0,
   fits = []
   if "train" in programs:
     fits.append(compile_train(config, model_cfg, mesh))
-    if train.shares_prompt(config):  # Batches whose groups share a prompt of `prompt_tokens`.
+    if config.optim.share_prompt:  # Batches whose groups share a prompt of `prompt_tokens`.
       shared = min(prompt_tokens, config.rollout.max_episode_tokens // 2)
       fits.append(compile_train(config, model_cfg, mesh, shared - shared % 32))
   if "rollout" in programs:

@@ -25,8 +25,8 @@ tensor). Optimizer moments mirror their parameter (the rules match on the parame
 the optimizer state). Batches split their leading axis over (`data`, `fsdp`); the KV cache
 [L,B,K,S,H] splits B over (`data`, `fsdp`) and K over `tensor` where it divides.
 
-Multi-host: every process builds the same mesh over all devices; each host passes its own rows and
-`jax.make_array_from_process_local_data` assembles the global batch.
+Multi-host: every process builds the same mesh over all devices; `eppo_jax.hosts` places each
+host's rows into the global batch and holds every agreement between hosts.
 """
 
 from __future__ import annotations
@@ -175,45 +175,3 @@ def constrain_rows(x):
   if x.shape[0] % (mesh.shape["data"] * mesh.shape["fsdp"]):
     return x
   return jax.lax.with_sharding_constraint(x, P(BATCH))
-
-
-def put(tree, sharding_tree):
-  """Places host values that every process holds in full (params, state) onto their shardings."""
-  def place(x, sharding):
-    x = np.asarray(x)
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-  return jax.tree_util.tree_map(place, tree, sharding_tree)
-
-
-def put_rows(tree, mesh: Mesh):
-  """This host's rows [n, ...] of a batch -> global arrays split over data x fsdp."""
-  sharding = batch_sharding(mesh)
-  local = batch_shards(mesh) // jax.process_count()
-
-  def place(x):
-    x = np.asarray(x)
-    if x.shape[0] % max(local, 1):
-      raise ValueError(f"{x.shape[0]} rows on this host do not split over its {local} batch shards")
-    return jax.make_array_from_process_local_data(sharding, x)
-  return jax.tree_util.tree_map(place, tree)
-
-
-def local_rows(tree, mesh: Mesh):
-  """Global batch arrays -> this host's rows as NumPy (the inverse of `put_rows`)."""
-  if jax.process_count() == 1:
-    return jax.tree_util.tree_map(np.asarray, jax.device_get(tree))
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  local = multihost_utils.global_array_to_host_local_array(tree, mesh, P(BATCH))
-  return jax.tree_util.tree_map(np.asarray, local)
-
-
-def fetch(tree):
-  """Global arrays -> full NumPy values on every host (gathers sharded leaves across hosts)."""
-  def get(x):
-    if not isinstance(x, jax.Array) or x.is_fully_addressable:
-      return np.asarray(jax.device_get(x))
-    if x.is_fully_replicated:
-      return np.asarray(x.addressable_data(0))
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-  return jax.tree_util.tree_map(get, tree)

@@ -1,5 +1,5 @@
-"""Run logs: JSONL (the source of truth), TensorBoard, optional Weights & Biases, a progress bar,
-and per-task PNG plots."""
+"""What a run logs: the metrics of a batch of episodes and of one RL step, and where they go (JSONL,
+the source of truth; TensorBoard; optional Weights & Biases; a progress bar; per-task PNG plots)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+
+from eppo_jax import agent
 
 # Per-task series drawn in `plots.png`, one panel each.
 PLOTTED = (("entropy", "token entropy (nats)"), ("eps_low", "clip bound ε_low"),
@@ -41,6 +43,70 @@ def flatten(step: int, scalars: dict, per_task: dict, task_names) -> dict:
     for name, value in zip(task_names, np.asarray(values).reshape(-1)):
       record[f"task/{name}/{metric}"] = _scalar(value)
   return record
+
+
+def _per_task(values: np.ndarray, task_ids: np.ndarray, num_tasks: int,
+              valid: np.ndarray | None = None) -> np.ndarray:
+  """Mean of the `valid` `values` per task ([K], NaN for tasks with none in the batch)."""
+  valid = np.ones(len(values), bool) if valid is None else valid
+  values = np.where(valid, values, 0.0).astype(np.float64)
+  sums = np.bincount(task_ids, weights=values, minlength=num_tasks)
+  counts = np.bincount(task_ids, weights=valid.astype(np.float64), minlength=num_tasks)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    return np.where(counts > 0, sums / counts, np.nan)
+
+
+def episode_metrics(episodes: agent.EpisodeBatch, num_tasks: int, prefix: str = "") -> tuple:
+  """(global scalars, per-task arrays) of a batch of episodes."""
+  finite = np.isfinite(episodes.rewards)
+  scored = finite & ~episodes.failed  # A failed episode's return is not a score.
+  per_task = {
+      f"{prefix}success": _per_task(episodes.success, episodes.task_ids, num_tasks),
+      f"{prefix}reward": _per_task(episodes.rewards, episodes.task_ids, num_tasks, scored),
+      f"{prefix}invalid_actions": _per_task(episodes.invalid_actions, episodes.task_ids,
+                                            num_tasks),
+      f"{prefix}turns": _per_task(episodes.turns, episodes.task_ids, num_tasks),
+      f"{prefix}episode_tokens": _per_task(episodes.num_tokens, episodes.task_ids, num_tasks),
+  }
+  scalars = {
+      f"{prefix}success": episodes.success.mean(),
+      # Over the healthy episodes: one inf must not hide the others, nor a crash count as a score.
+      f"{prefix}reward": episodes.rewards[scored].mean() if scored.any() else np.nan,
+      f"{prefix}env_failures": episodes.failed.sum(),
+      f"{prefix}nonfinite_rewards": (~finite).sum(),
+      f"{prefix}truncated": episodes.truncated.mean(),
+      f"{prefix}response_tokens": episodes.loss_mask.sum(1).mean(),
+  }
+  if not prefix:  # Training batches (evaluation has no groups and no update).
+    scalars["excluded_episodes"] = np.isnan(agent.training_rewards(episodes)).sum()
+  return scalars, per_task
+
+
+# Batch statistics of a task with no tokens in the batch are NaN (absent), not 0.
+_TOKEN_STATISTICS = ("entropy", "clip_frac_low", "clip_frac_high", "approx_kl", "pg_loss")
+
+
+def step_metrics(episodes: agent.EpisodeBatch, update: dict, num_tasks: int, play_s: float,
+                 env_s: float, total_s: float) -> tuple[dict, dict]:
+  """(global scalars, per-task arrays) of one RL step: its episodes (of all hosts), the update's
+  metrics (`steps.train_step`; `*_K` keys are per task) and the step's timings in seconds."""
+  scalars, per_task = episode_metrics(episodes, num_tasks)
+  per_task.update({k[:-2]: v for k, v in update.items() if k.endswith("_K")})
+  absent = update["token_count_K"] == 0
+  for key in _TOKEN_STATISTICS:
+    per_task[key] = np.where(absent, np.nan, per_task[key])
+  per_task["clip_frac"] = per_task["clip_frac_low"] + per_task["clip_frac_high"]
+  scalars.update({k: v for k, v in update.items() if not k.endswith("_K")})
+  scalars.update({"time/generation_s": play_s - env_s, "time/environment_s": env_s,
+                  "time/update_s": total_s - play_s, "time/step_s": total_s,
+                  "tokens_per_s": episodes.attention_mask.sum() / total_s})
+  return scalars, per_task
+
+
+def progress_summary(names, success) -> str:
+  """Live per-task success for the progress bar ("-" for a task absent from this batch)."""
+  return " ".join(f"{n.split(':')[0][:6]} " + ("-" if np.isnan(s) else f"{s:.2f}")
+                  for n, s in zip(names, success))
 
 
 class MetricsLogger:

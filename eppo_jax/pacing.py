@@ -21,16 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from eppo_jax import logprobs
 
 PACING_SCHEMES = ("cross_task_mean", "initial", "target")
-
-
-def token_entropy(logits_BxTxV: jax.Array) -> jax.Array:
-  """Entropy of softmax(logits) per position, in float32: [B, T]."""
-  # The one formula of eppo_jax.logprobs (stable, float32); the token only feeds the unused log-prob.
-  tokens_BxT = jnp.zeros(logits_BxTxV.shape[:-1], jnp.int32)
-  return logprobs.token_logprobs_and_entropy(logits_BxTxV, tokens_BxT)[1]
 
 
 def task_entropy(token_entropy_BxT: jax.Array,
@@ -178,9 +170,8 @@ def pacing_bounds(state: PacingState, cfg: PacingConfig) -> tuple[jax.Array, jax
   return eps_low_K.astype(jnp.float32), eps_high_K.astype(jnp.float32)
 
 
-def entropy_crossovers(prev_K: jax.Array, cur_K: jax.Array,
-                       valid_K: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Task pairs whose entropy order flips between two steps: (count, [K, K] bool pair matrix)."""
+def entropy_crossovers(prev_K: jax.Array, cur_K: jax.Array, valid_K: jax.Array) -> jax.Array:
+  """The number of task pairs whose entropy order flips between two steps (int32 scalar)."""
   # A flip is a strict sign change of H_i - H_j; ties on either side are not flips, so two
   # tasks that merely touch do not count. Both tasks must be valid (observed) at both steps.
   prev_diff_KxK = jnp.sign(prev_K[:, None] - prev_K[None, :])
@@ -188,7 +179,7 @@ def entropy_crossovers(prev_K: jax.Array, cur_K: jax.Array,
   pair_valid_KxK = valid_K[:, None] & valid_K[None, :]
   flips_KxK = (prev_diff_KxK * cur_diff_KxK < 0) & pair_valid_KxK
   # The matrix is symmetric; count each unordered pair once.
-  return jnp.sum(jnp.triu(flips_KxK, k=1)).astype(jnp.int32), flips_KxK
+  return jnp.sum(jnp.triu(flips_KxK, k=1)).astype(jnp.int32)
 
 
 def entropy_spikes(state: PacingState, ent_K: jax.Array, cnt_K: jax.Array,
@@ -209,7 +200,7 @@ def pacing_diagnostics(state: PacingState, ent_K: jax.Array, cnt_K: jax.Array,
   """Spikes and crossovers of this batch, from the state before `update_pacing`."""
   present_K = _present(cnt_K, cfg)
   # Crossovers compare this batch's raw entropies with each task's last observed ones.
-  crossovers, _ = entropy_crossovers(state.last_K, ent_K, state.seen_K & present_K)
+  crossovers = entropy_crossovers(state.last_K, ent_K, state.seen_K & present_K)
   spikes_K = entropy_spikes(state, ent_K, cnt_K, cfg)
   return {"entropy_crossovers": crossovers, "entropy_spikes_K": spikes_K,
           "num_entropy_spikes": spikes_K.sum().astype(jnp.int32)}

@@ -2,71 +2,15 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import jax
 import numpy as np
 
+from eppo_jax import hosts, programs
 from eppo_jax import mesh as meshlib
-from eppo_jax import parallel
 from eppo_jax.models.config import ModelConfig
-from eppo_jax.models.transformer import forward_with_cache, init_cache
-from eppo_jax.sampling import SamplingConfig, prefix_bucket, rollout
-
-
-def _turn(params, tokens, mask, rng, cache, *, config, sampling, prefix):
-  out = rollout(params, config, tokens, mask, rng, sampling, cache=cache, prefix=prefix)
-  return out.tokens, out.mask, out.cache, (out.logprobs, out.entropies)
-
-
-def _prefill(params, tokens, mask, cache, *, config, prefix):
-  """Writes a chunk into the cache without sampling (the head runs at its last column only)."""
-  return forward_with_cache(params, config, tokens, mask, cache, prefix, head="last")[1]
-
-
-@functools.lru_cache(maxsize=None)
-def compiled_prefill(config: ModelConfig, mesh: jax.sharding.Mesh, prefix: int):
-  """`_prefill` jitted on `mesh`, shardings as `compiled_turn`'s; the cache is donated."""
-  cache_sh = meshlib.cache_shardings(mesh, config.num_kv_heads)
-  rows = meshlib.batch_sharding(mesh)
-  return jax.jit(functools.partial(_prefill, config=config, prefix=prefix),
-                 in_shardings=(None, rows, rows, cache_sh), out_shardings=cache_sh,
-                 donate_argnums=(3,))
-
-
-def _take_rows(cache, rows_R):
-  """The cache of the rows `rows_R`, in that order (a gather over the batch axis)."""
-  return {**cache, "k": cache["k"][:, rows_R], "v": cache["v"][:, rows_R],
-          "mask": cache["mask"][rows_R], "pos": cache["pos"][rows_R]}
-
-
-@functools.lru_cache(maxsize=None)
-def compiled_turn(config: ModelConfig, sampling: SamplingConfig, mesh: jax.sharding.Mesh,
-                  batch: int, max_len: int, prefix: int):
-  """(empty-cache maker, one-turn function) for a global batch of `batch` rows, jitted on `mesh`.
-
-  The params keep the shardings they were placed with (`mesh.shardings`); rows and the cache are
-  split over data x fsdp, kv heads over tensor (`mesh.cache_shardings`). The turn attends over the
-  first `prefix` cache slots only (static).
-  """
-  cache_sh = meshlib.cache_shardings(mesh, config.num_kv_heads)
-  rows = meshlib.batch_sharding(mesh)
-  # The empty cache is made by its own program and passed in: allocated inside the turn program,
-  # its zeros would be constants that XLA tries to fold through the attention (slow compiles).
-  empty = jax.jit(lambda: init_cache(config, batch, max_len), out_shardings=cache_sh)
-  turn = jax.jit(functools.partial(_turn, config=config, sampling=sampling, prefix=prefix),
-                 in_shardings=(None, rows, rows, meshlib.replicated(mesh), cache_sh),
-                 out_shardings=(rows, rows, cache_sh, (rows, rows)), donate_argnums=(4,))
-  return empty, turn
-
-
-@functools.lru_cache(maxsize=None)
-def _compactor(mesh: jax.sharding.Mesh, num_kv_heads: int):
-  cache_sh = meshlib.cache_shardings(mesh, num_kv_heads)
-  # No donation: the smaller output cannot reuse the input's buffer.
-  return jax.jit(_take_rows, in_shardings=(cache_sh, meshlib.replicated(mesh)),
-                 out_shardings=cache_sh)
+from eppo_jax.sampling import SamplingConfig, window_bucket
 
 
 class ModelPolicy:
@@ -76,8 +20,8 @@ class ModelPolicy:
   host passes its own rows, padded with inactive (empty) rows to a multiple of its batch shards.
   One key per turn draws for the whole global batch, so the samples do not depend on the mesh.
 
-  Cost follows use. Each turn attends over a bucketed prefix of the cache that covers the slots
-  written so far (counted here on the host, see `sampling.prefix_bucket`). With `compact` (one
+  Cost follows use. Each turn attends over a bucketed window of the cache that covers the slots
+  written so far (counted here on the host, see `sampling.window_bucket`). With `compact` (one
   host), once the live episodes fit a quarter of the batch (B/4, B/16, ..., while that is a
   multiple of the batch shards), the live rows of the cache are gathered into it, so later turns
   run on live rows only.
@@ -104,6 +48,10 @@ class ModelPolicy:
     self._rows_R = None  # Episode row (of this host) held by each cache row; -1 for an empty row.
     self._used = 0  # Cache slots written so far (every row's index is the same).
 
+  def _programs(self, rows: int, window: int) -> programs.RolloutPrograms:
+    return programs.rollout_turn(self._config, self._sampling, self._mesh,
+                                 rows * jax.process_count(), self._max_slots, window)
+
   def _maybe_compact(self, cache, active_B):
     """Gathers the live rows into a smaller batch when they fit one."""
     rows_R = self._rows_R
@@ -118,7 +66,7 @@ class ModelPolicy:
     keep_R = np.concatenate([np.flatnonzero(live_R), np.flatnonzero(~live_R)])[:smaller]
     self._rows_R = np.where(live_R[keep_R], rows_R[keep_R], -1)
     with jax.set_mesh(self._mesh):
-      return _compactor(self._mesh, self._config.num_kv_heads)(cache, keep_R.astype(np.int32))
+      return self._programs(len(rows_R), self._max_slots).compact(cache, keep_R.astype(np.int32))
 
   def __call__(self, chunk_BxC, chunk_mask_BxC, state, active_B):
     b, c = chunk_BxC.shape
@@ -126,7 +74,7 @@ class ModelPolicy:
     if state is None:
       # Every host must pass the same shape (a global array): hosts with fewer rows (an uneven
       # evaluation split) add empty rows.
-      padded = parallel.global_max(-(-b // self._shards) * self._shards)
+      padded = hosts.global_max(-(-b // self._shards) * self._shards)
       self._rows_R = np.where(np.arange(padded) < b, np.arange(padded), -1)
       self._used = 0
       cache = None
@@ -137,32 +85,30 @@ class ModelPolicy:
     rows_R = self._rows_R
     present_R = rows_R >= 0
     held_R = np.maximum(rows_R, 0)
-    width = parallel.global_max(c)  # Hosts with a shorter chunk add left padding.
+    width = hosts.global_max(c)  # Hosts with a shorter chunk add left padding.
     pads = ((0, 0), (width - c, 0))
     tokens_RxC = np.pad(np.where(present_R[:, None], chunk_BxC[held_R], 0), pads)
     mask_RxC = np.pad(present_R[:, None] & np.asarray(chunk_mask_BxC, bool)[held_R], pads)
     tokens_RxC = tokens_RxC.astype(chunk_BxC.dtype)
-    prefix = prefix_bucket(min(self._used + width + n, self._max_slots), self._max_slots)
-    empty, turn = compiled_turn(self._config, self._sampling, self._mesh,
-                                len(rows_R) * jax.process_count(), self._max_slots, prefix)
+    window = window_bucket(min(self._used + width + n, self._max_slots), self._max_slots)
+    run = self._programs(len(rows_R), window)
     key = jax.random.fold_in(self._rng, self._turn)
-    tokens, mask = meshlib.put_rows((tokens_RxC, mask_RxC), self._mesh)
+    tokens, mask = hosts.put_rows((tokens_RxC, mask_RxC), self._mesh)
     # Leading columns beyond the prefill cap go in first, in pieces of at most the cap (static
     # widths: the cap, then what remains); the turn samples after the last `last` columns.
     last = width if not self._prefill_chunk else (width - 1) % self._prefill_chunk + 1
     with jax.set_mesh(self._mesh):  # Traced with the mesh in context: see `mesh.constrain_rows`.
-      cache = empty() if cache is None else cache
+      cache = run.empty_cache() if cache is None else cache
       if last < width:
-        prefill = compiled_prefill(self._config, self._mesh, prefix)
         for start in range(0, width - last, self._prefill_chunk):
           end = start + self._prefill_chunk
-          cache = prefill(self._params, tokens[:, start:end], mask[:, start:end], cache)
+          cache = run.prefill(self._params, tokens[:, start:end], mask[:, start:end], cache)
         tokens, mask = tokens[:, width - last:], mask[:, width - last:]
-      reply, reply_mask, cache, scores = turn(self._params, tokens, mask, key, cache)
+      reply, reply_mask, cache, scores = run.turn(self._params, tokens, mask, key, cache)
     self._turn += 1
     self._used += width + n
     # Back to this host's episode order; rows of no episode are dropped.
-    local = meshlib.local_rows((reply, reply_mask) + tuple(scores), self._mesh)
+    local = hosts.local_rows((reply, reply_mask) + tuple(scores), self._mesh)
     fills = (self._sampling.pad_id, False, 0.0, 0.0)
     reply_BxN, reply_mask_BxN, logprobs_BxN, entropies_BxN = (
         np.full((b, n), fill, x.dtype) for fill, x in zip(fills, local))

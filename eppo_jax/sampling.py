@@ -18,13 +18,13 @@ returned cache holds every generated token, stop tokens included. A row whose ch
 (an episode that already ended, a filler row) generates nothing in that call.
 
 Static shapes. Left-pad prompts to a few bucket lengths (`left_pad`, `bucket`) and keep a few
-`SamplingConfig`s: XLA then compiles one program per (bucket, config, batch, prefix), see
+`SamplingConfig`s: XLA then compiles one program per (bucket, config, batch, window), see
 `compiled_programs`. The decode loop exits as soon as every row has stopped.
 
-Cost. A call attends over a static prefix of the cache that covers the slots written before it
-plus its own P + N (`prefix_bucket`: one of three sizes per cache), so the first turn of a long
-episode does not pay for the whole episode's cache. On CPU the decode steps run the layers over
-weights and cache slots split per layer once per call (`ModelConfig.unroll_layers`,
+Cost. A call attends over a static window of the cache (its first slots) that covers the slots
+written before it plus its own P + N (`window_bucket`: one of three sizes per cache), so the first
+turn of a long episode does not pay for the whole episode's cache. On CPU the decode steps run the
+layers over weights and cache slots split per layer once per call (`ModelConfig.unroll_layers`,
 `transformer.split_cache`), so no step copies a layer's weights or keys.
 """
 
@@ -167,9 +167,9 @@ def _check_fits(cache: Cache, t: int, what: str) -> None:
                      f"allocate the first cache with max_len >= {used + t} for the whole episode")
 
 
-def prefix_bucket(needed: int, slots: int) -> int:
+def window_bucket(needed: int, slots: int) -> int:
   """Cache slots a call attends over: the smallest of S/4, S/2, S (rounded up to a multiple of 8)
-  that holds `needed`. Few buckets on purpose: each (batch, prefix, chunk) shape is one more
+  that holds `needed`. Few buckets on purpose: each (batch, window, chunk) shape is one more
   compiled program (seconds each on CPU), and every bucket is met in every batch of episodes."""
   if needed > slots:
     raise ValueError(f"{needed} slots needed but the cache has only {slots}")
@@ -180,62 +180,37 @@ def prefix_bucket(needed: int, slots: int) -> int:
   return slots
 
 
-def _prefix(cache: Cache, needed: int, prefix: Optional[int]) -> int:
-  """The static prefix of a call that writes `needed` more slots: as given, or bucketed from the
+def _window(cache: Cache, needed: int, window: Optional[int]) -> int:
+  """The static window of a call that writes `needed` more slots: as given, or bucketed from the
   cache's index when it is concrete, or the whole cache when it is traced."""
   slots = cache["mask"].shape[1]
-  if prefix is not None:
-    if not 0 < prefix <= slots:
-      raise ValueError(f"prefix={prefix} must be in [1, {slots}] (the cache's slots)")
-    return prefix
+  if window is not None:
+    if not 0 < window <= slots:
+      raise ValueError(f"window={window} must be in [1, {slots}] (the cache's slots)")
+    return window
   index = cache["index"]
   if isinstance(index, jax.core.Tracer):
     return slots
-  return prefix_bucket(int(index) + needed, slots)
-
-
-def _extend(params, config: ModelConfig, cache: Cache, tokens_BxT, mask_BxT, prefix: int):
-  """Un-jitted body of `extend`; logits are NaN if the chunk did not fit (traced overflow)."""
-  fits = cache["index"] + tokens_BxT.shape[1] <= prefix
-  logits_BxTxV, cache = forward_with_cache(params, config, tokens_BxT, mask_BxT, cache, prefix)
-  return jnp.where(fits, logits_BxTxV, jnp.nan), cache
-
-
-_extend_jit = jax.jit(_extend, static_argnames=("config", "prefix"), donate_argnames=("cache",))
-
-
-def extend(params: Params, config: ModelConfig, cache: Cache, new_tokens_BxT, new_mask_BxT,
-           prefix: Optional[int] = None):
-  """Appends a left-padded chunk after the cache's content -> (logits [B,T,V] float32, cache).
-
-  The chunk attends over the first `prefix` cache slots (static; by default a bucket that covers
-  the slots in use, see `prefix_bucket`). The input cache is donated: use only the returned one.
-  """
-  t = new_tokens_BxT.shape[1]
-  _check_fits(cache, t, "extend")
-  return _extend_jit(params, config, cache, new_tokens_BxT, new_mask_BxT,
-                     _prefix(cache, t, prefix))
+  return window_bucket(int(index) + needed, slots)
 
 
 # ----------------------------------------------------------------------------------------------
 # Rollout.
 
 
-def _rollout(params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP, rng,
-             sampling: SamplingConfig, cache: Optional[Cache], max_len: Optional[int],
-             prefix: Optional[int] = None):
-  """Un-jitted body of `rollout` (see there)."""
+def rollout_body(params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP, rng,
+                 sampling: SamplingConfig, cache: Cache, window: Optional[int] = None):
+  """`rollout` un-jitted and unchecked, on a given cache: for callers that jit it themselves.
+
+  Attends over the first `window` cache slots (static; default all). A chunk that does not fit the
+  window gets NaN logits rather than clamped cache writes (the index may be traced here).
+  """
   b = prompt_tokens_BxP.shape[0]
   n = sampling.max_new_tokens
-  if cache is None:
-    # The barrier hides the all-zero cache from XLA, which would otherwise spend seconds
-    # constant-folding the prefill's attention over the empty slots.
-    cache = jax.lax.optimization_barrier(
-        init_cache(config, b, max_len or prompt_tokens_BxP.shape[1] + n))
-  prefix = prefix or cache["mask"].shape[1]
+  window = window or cache["mask"].shape[1]
   prompt_mask_BxP = prompt_mask_BxP.astype(bool)
-  fits = cache["index"] + prompt_tokens_BxP.shape[1] + n <= prefix
-  forward = functools.partial(forward_with_cache, params, config, prefix=prefix)
+  fits = cache["index"] + prompt_tokens_BxP.shape[1] + n <= window
+  forward = functools.partial(forward_with_cache, params, config, window=window)
 
   # Left padding puts every row's last valid token in the last column: only its logits are needed.
   last_logits_Bx1xV, cache = forward(prompt_tokens_BxP, prompt_mask_BxP, cache, head="last")
@@ -245,13 +220,13 @@ def _rollout(params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP, rn
   pending = (zeros, zeros, cache["index"])  # Unused by the rolled layer loop, which writes at once.
   full_cache = cache
   if unroll:
-    # Split the stacked layer weights and the cache's first `prefix` slots once, outside the loop,
+    # Split the stacked layer weights and the cache's first `window` slots once, outside the loop,
     # so decode steps read both in place. Each step's keys are then written at the start of the
     # next step (see `forward_with_cache`); the first such write puts zeros into the next free
     # slot, which the first step then fills.
     forward = functools.partial(forward_with_cache, layer_params(params, config), config,
-                                prefix=prefix)
-    cache = split_cache(cache, prefix)
+                                window=window)
+    cache = split_cache(cache, window)
 
   def decode_step(token_B, live_B, cache, pending):
     if unroll:
@@ -299,22 +274,35 @@ def _rollout(params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP, rn
                        mask=mask_BxN, lengths=mask_BxN.sum(axis=1, dtype=jnp.int32), cache=cache)
 
 
-_rollout_jit = jax.jit(_rollout, static_argnames=("config", "sampling", "max_len", "prefix"),
+def _rollout(params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP, rng,
+             sampling: SamplingConfig, cache: Optional[Cache], max_len: Optional[int],
+             window: int):
+  if cache is None:
+    # The barrier hides the all-zero cache from XLA, which would otherwise spend seconds
+    # constant-folding the prefill's attention over the empty slots.
+    cache = jax.lax.optimization_barrier(init_cache(
+        config, prompt_tokens_BxP.shape[0], max_len or prompt_tokens_BxP.shape[1] +
+        sampling.max_new_tokens))
+  return rollout_body(params, config, prompt_tokens_BxP, prompt_mask_BxP, rng, sampling, cache,
+                      window)
+
+
+_rollout_jit = jax.jit(_rollout, static_argnames=("config", "sampling", "max_len", "window"),
                        donate_argnames=("cache",))
 
 
 def rollout(params: Params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP, rng,
             sampling: SamplingConfig, cache: Optional[Cache] = None,
-            max_len: Optional[int] = None, prefix: Optional[int] = None) -> RolloutOutput:
+            max_len: Optional[int] = None, window: Optional[int] = None) -> RolloutOutput:
   """Prefills left-padded prompts (or appends them to `cache`) and samples up to N tokens per row.
 
   Rows stop on any stop id or after `max_new_tokens`; the loop exits once every row has stopped.
   Without `cache`, a cache of `max_len` slots (default P + N) is allocated; give the whole
   episode's length to continue the conversation later with `rollout(..., cache=out.cache)`.
-  Attention reads only the first `prefix` cache slots (static), which must cover the slots used
-  before the call plus P + N; by default a bucket of the cache size that does (`prefix_bucket`),
-  or the whole cache when the index is traced (inside pmap: pass `prefix` from the host's count).
-  A passed cache is donated. Pure and jitted (static `config`, `sampling`, `max_len`, `prefix`);
+  Attention reads only the first `window` cache slots (static), which must cover the slots used
+  before the call plus P + N; by default a bucket of the cache size that does (`window_bucket`),
+  or the whole cache when the index is traced (inside pmap: pass `window` from the host's count).
+  A passed cache is donated. Pure and jitted (static `config`, `sampling`, `max_len`, `window`);
   callable inside `jax.pmap`, where each device samples its shard with its own `rng`.
   """
   p, n = prompt_tokens_BxP.shape[1], sampling.max_new_tokens
@@ -322,18 +310,18 @@ def rollout(params: Params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_
     if max_len is not None and max_len < p + n:
       raise ValueError(f"max_len={max_len} is smaller than prompt {p} + max_new_tokens {n}")
     slots = max_len or p + n
-    prefix = prefix_bucket(p + n, slots) if prefix is None else prefix
-    if not p + n <= prefix <= slots:
-      raise ValueError(f"prefix={prefix} must be in [{p + n}, {slots}] for a new cache")
+    window = window_bucket(p + n, slots) if window is None else window
+    if not p + n <= window <= slots:
+      raise ValueError(f"window={window} must be in [{p + n}, {slots}] for a new cache")
   else:
     if max_len is not None:
       raise ValueError("max_len only sizes a new cache; the passed cache keeps its own size")
     _check_fits(cache, p + n, "rollout")
-    prefix = _prefix(cache, p + n, prefix)
+    window = _window(cache, p + n, window)
   return _rollout_jit(params, config, prompt_tokens_BxP, prompt_mask_BxP, rng, sampling, cache,
-                      max_len, prefix)
+                      max_len, window)
 
 
 def compiled_programs() -> int:
-  """Number of programs XLA has compiled for `rollout` and `extend` in this process."""
-  return _rollout_jit._cache_size() + _extend_jit._cache_size()  # pylint: disable=protected-access
+  """Number of programs XLA has compiled for `rollout` in this process."""
+  return _rollout_jit._cache_size()  # pylint: disable=protected-access

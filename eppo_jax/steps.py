@@ -1,10 +1,18 @@
 """The pure update steps: `train_step` (one EPPO update on a rollout batch) and `sft_step`.
 
-The trainer runs both as `jax.jit` on the global batch over a device mesh (`axis_name=None`; see
-`eppo_jax.mesh`), with the state donated. They also run per shard under `jax.pmap` / `shard_map`
-with `axis_name="data"`: gradients of the trainable leaves (LoRA adapters, or everything for full
-fine-tuning) are then `pmean`-ed, following the loss convention of `objective.eppo_loss` (each
-device returns N_devices x its share), so both ways compute the same update on the same batch.
+Both are written for the global batch and run as `jax.jit` programs over the device mesh (see
+`eppo_jax.programs`, which compiles them, and `eppo_jax.mesh`); XLA inserts the collectives that a
+sharded batch needs, so 1 device and N devices compute the same update. The functions they are made
+of (`eppo_jax.pacing`, `eppo_jax.objective`) also run per shard under `jax.pmap` / `shard_map` with
+an `axis_name`; here they run with none.
+
+One RL update, as `train_step` composes it:
+
+    update_inputs       loss positions, advantages, the reference policy's scores (KL)
+    old_policy_scores   the sampling policy's log-probs and entropies (the ratio's denominator)
+    pace                task entropies -> smoothed pacing state -> per-task clip bounds
+    ppo_updates         epochs x minibatches of `minibatch_update` (gradient, then `apply_update`,
+                        which skips a non-finite update)
 """
 
 from __future__ import annotations
@@ -37,22 +45,21 @@ OLD_LOGPROBS = ("recompute", "sampler")
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-  """Static description of one RL update (hashable: a jit/pmap static argument)."""
+  """Static description of one RL update (hashable: a jit static argument)."""
 
   model: ModelConfig
   pacing: pacing.PacingConfig
   loss: objective.LossConfig
   num_tasks: int
-  num_groups: int  # Instances per step over all devices (group ids are global).
+  num_groups: int  # Instances per step over all hosts (group ids are global).
   temperature: float = 1.0
   ppo_epochs: int = 1
   num_minibatches: int = 1
   advantage_estimator: str = "grpo"
   per_task_std: bool = False
-  axis_name: Optional[str] = "data"
-  # Under jit on a device mesh: the sharding of a [minibatches, rows, ...] stack, rows split like
-  # the batch (`mesh.minibatch_sharding`). Without it XLA keeps each minibatch on the few devices
-  # that hold its rows; with it every device works on every minibatch. None under pmap.
+  # The sharding of a [minibatches, rows, ...] stack, rows split like the batch
+  # (`mesh.minibatch_sharding`). Without it XLA keeps each minibatch on the few devices that hold
+  # its rows; with it every device works on every minibatch. None on one device.
   minibatch_sharding: Any = None
   # R, the loss positions scored per row: the LM head, log-probs and the loss run on [b, R] gathered
   # positions, not on all T - 1. None scores every position. A row with more loss tokens than R
@@ -151,6 +158,10 @@ def sequence_logprobs(params, model: ModelConfig, tokens_BxT, attention_mask_BxT
   return scored_logprobs(params, model, tokens_BxT, attention_mask_BxT, None, temperature)
 
 
+# ----------------------------------------------------------------------------------------------
+# The parts of one RL update.
+
+
 def _minibatches(batch: dict, order_M: Optional[jax.Array], num: int, sharding=None) -> dict:
   """[b, ...] leaves -> [num, b / num, ...] in the order of `order_M` (None: as they are)."""
   def split(x):
@@ -175,24 +186,19 @@ def _take(tree, i):
   return jax.tree_util.tree_map(lambda x: x[i], tree)
 
 
-def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: StepConfig,
-               tx: optax.GradientTransformation):
-  """One RL update: old log-probs, pacing, advantages, then PPO epochs x minibatches.
+def _score(params, mb: dict, cfg: StepConfig):
+  """Log-probs and entropies ([b,R], [b,R]) of a minibatch's loss positions under `params`."""
+  return scored_logprobs(params, cfg.model, mb["tokens"], mb["attention_mask"], mb["idx"],
+                         cfg.temperature, cfg.shared_prefix, cfg.group_size)
 
-  `batch` (this device's share): tokens / attention_mask / loss_mask [b,T], task_ids / group_ids
-  [b] int32, rewards [b] float32 (NaN or inf: the episode is left out); with
-  `cfg.old_logprobs == "sampler"` also logprobs / entropies [b,T] float32 (the sampler's number for
-  each token). Returns (new state, metrics identical on every device).
+
+def update_inputs(params, batch: dict, cfg: StepConfig) -> tuple[dict, jax.Array]:
+  """(per-row inputs of the PPO updates, loss tokens beyond the row budget R).
+
+  The rows carry their [b,R] loss positions `idx` and `loss_mask`, their `advantages`, and with a
+  KL term the reference policy's log-probs `ref_logp`.
   """
-  axis = cfg.axis_name
   b, t = batch["tokens"].shape
-  m = cfg.num_minibatches
-  if b % m:
-    raise ValueError(f"per-device batch {b} is not divisible by {m} minibatches")
-  if cfg.shared_prefix and (b // m) % cfg.group_size:
-    raise ValueError(f"a shared prefix needs whole groups of {cfg.group_size} rows in each "
-                     f"minibatch of {b // m}")
-  params = lora.combine(state.trainable, frozen)
   # Only positions that carry loss are scored: [b, R] gathered from [b, T - 1] (position t scores
   # token t + 1), a few percent of an agentic episode whose prompt and observations carry none.
   budget = min(cfg.loss_tokens_per_row or t - 1, t - 1)
@@ -202,160 +208,191 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
   full_mask_BxT = batch["loss_mask"][:, 1:].astype(bool) & valid_B[:, None]
   idx_BxR, loss_mask_BxR = loss_positions(full_mask_BxT, budget)
   over_budget = jnp.sum(jnp.maximum(full_mask_BxT.sum(axis=1) - budget, 0))
-  # Dr. GRPO's constant length is the padded episode length, as if every position were scored.
-  loss_cfg = dataclasses.replace(cfg.loss, seq_norm_len=cfg.loss.seq_norm_len or t - 1)
-
-  def score(p, mb):
-    return scored_logprobs(p, cfg.model, mb["tokens"], mb["attention_mask"], mb["idx"],
-                           cfg.temperature, cfg.shared_prefix, cfg.group_size)
-
   advantages_B = objective.grpo_advantages(
       batch["rewards"], batch["group_ids"], cfg.num_groups, estimator=cfg.advantage_estimator,
-      task_ids=batch["task_ids"], num_tasks=cfg.num_tasks, per_task_std=cfg.per_task_std,
-      axis_name=axis)
+      task_ids=batch["task_ids"], num_tasks=cfg.num_tasks, per_task_std=cfg.per_task_std)
   data = {k: batch[k] for k in ("tokens", "attention_mask", "task_ids")}
   data.update(idx=idx_BxR, loss_mask=loss_mask_BxR, advantages=advantages_B)
   if cfg.loss.kl_coef:
     # The reference policy is the base model: the same params with the adapters left out.
     ref_params = transformer.layer_params(lora.base_params(params), cfg.model)  # Split once.
-    data["ref_logp"] = lax.map(lambda mb: score(ref_params, mb)[0],
-                               _minibatches(data, None, m, cfg.minibatch_sharding)).reshape(b, -1)
+    in_order = _minibatches(data, None, cfg.num_minibatches, cfg.minibatch_sharding)
+    data["ref_logp"] = lax.map(lambda mb: _score(ref_params, mb, cfg)[0], in_order).reshape(b, -1)
+  return data, over_budget
 
-  def loss_fn(trainable, mb, key, eps_low_K, eps_high_K, old_logp_BxR):
-    logp_BxR, ent_BxR = score(lora.combine(trainable, frozen), mb)
-    # None: the old policy is this pass (nothing updated yet), the ratio exactly 1.
-    old = lax.stop_gradient(logp_BxR) if old_logp_BxR is None else old_logp_BxR
-    loss, metrics = objective.eppo_loss(
-        logp_BxR, old, mb["advantages"], mb["loss_mask"], mb["task_ids"], eps_low_K,
-        eps_high_K, mb.get("ref_logp"), ent_BxR, cfg=loss_cfg, axis_name=axis,
-        num_tasks=cfg.num_tasks, rng=key)
-    return loss, (metrics, lax.stop_gradient(logp_BxR), lax.stop_gradient(ent_BxR))
 
-  def apply(carry, loss, metrics, grads):
-    trainable, opt_state = carry
-    grads = grads if axis is None else lax.pmean(grads, axis)
-    # A non-finite loss or gradient skips this update; the host counts skips and stops the run
-    # after several in a row. Every device must take the same branch (on a mesh the update holds
-    # collectives): taking the predicate from the gradient norm instead hung a 4-device CPU test
-    # run, its devices waiting at different collectives; this leafwise check has not.
-    ok = jnp.isfinite(loss) & _finite(grads)
-    if axis is not None:
-      ok = lax.pmin(ok.astype(jnp.int32), axis) > 0  # All devices skip together.
+def minibatch_loss(trainable, frozen, mb: dict, key, eps_low_K, eps_high_K, old_logp_BxR,
+                   cfg: StepConfig):
+  """EPPO loss of one minibatch -> (loss, (metrics, log-probs [b,R], entropies [b,R]))."""
+  logp_BxR, ent_BxR = _score(lora.combine(trainable, frozen), mb, cfg)
+  # None: the old policy is this pass (nothing updated yet), the ratio exactly 1.
+  old = lax.stop_gradient(logp_BxR) if old_logp_BxR is None else old_logp_BxR
+  # Dr. GRPO's constant length is the padded episode length, as if every position were scored.
+  loss_cfg = dataclasses.replace(cfg.loss,
+                                 seq_norm_len=cfg.loss.seq_norm_len or mb["tokens"].shape[1] - 1)
+  loss, metrics = objective.eppo_loss(
+      logp_BxR, old, mb["advantages"], mb["loss_mask"], mb["task_ids"], eps_low_K, eps_high_K,
+      mb.get("ref_logp"), ent_BxR, cfg=loss_cfg, num_tasks=cfg.num_tasks, rng=key)
+  return loss, (metrics, lax.stop_gradient(logp_BxR), lax.stop_gradient(ent_BxR))
 
-    def step(operands):
-      trainable, opt_state, grads = operands
-      updates, opt_state = tx.update(grads, opt_state, trainable)
-      return optax.apply_updates(trainable, updates), opt_state
 
-    # A branch, not a select of old and new: the skipped path holds no second copy of the params
-    # and optimizer state, which matters for full fine-tuning.
-    carry = lax.cond(ok, step, lambda operands: operands[:2], (trainable, opt_state, grads))
-    metrics = dict(metrics, grad_norm=optax.tree.norm(grads), skipped=1 - ok.astype(jnp.int32))
-    return carry, metrics
+def apply_update(carry, loss, metrics: dict, grads, tx: optax.GradientTransformation):
+  """One optimizer update of (trainable, opt_state), skipped when the loss or a gradient is not
+  finite (the host counts skips and stops the run after several in a row)."""
+  trainable, opt_state = carry
+  # A leafwise finiteness check rather than one on the gradient norm: on a mesh the update holds
+  # collectives, and every device must take the same branch of the `cond`.
+  ok = jnp.isfinite(loss) & _finite(grads)
 
-  rng_epochs = jax.random.split(rng, cfg.ppo_epochs)
-  keys0 = jax.random.split(jax.random.split(rng_epochs[0])[1], m)
-  first = None
+  def step(operands):
+    trainable, opt_state, grads = operands
+    updates, opt_state = tx.update(grads, opt_state, trainable)
+    return optax.apply_updates(trainable, updates), opt_state
+
+  # A branch, not a select of old and new: the skipped path holds no second copy of the params
+  # and optimizer state, which matters for full fine-tuning.
+  carry = lax.cond(ok, step, lambda operands: operands[:2], (trainable, opt_state, grads))
+  metrics = dict(metrics, grad_norm=optax.tree.norm(grads), skipped=1 - ok.astype(jnp.int32))
+  return carry, metrics
+
+
+def minibatch_update(carry, frozen, mb: dict, key, eps_low_K, eps_high_K, cfg: StepConfig, tx):
+  """Gradient of one minibatch's loss, then `apply_update` -> (carry, metrics)."""
+  (loss, (metrics, _, _)), grads = jax.value_and_grad(minibatch_loss, has_aux=True)(
+      carry[0], frozen, mb, key, eps_low_K, eps_high_K, mb["old_logp"], cfg)
+  return apply_update(carry, loss, metrics, grads, tx)
+
+
+def old_policy_scores(state: TrainState, frozen, data: dict, batch: dict, key, cfg: StepConfig,
+                      tx) -> tuple[jax.Array, jax.Array, Optional[tuple]]:
+  """The sampling policy's log-probs and entropies at the loss positions ([b,R], [b,R]), and the
+  first update's (carry, metrics) when its pass provided them (None otherwise).
+
+  "sampler": the rollout's own numbers (aligned with tokens: token t + 1 is scored at position t).
+  "recompute": teacher-forced with the pre-update params. The first minibatch of the first epoch is
+  differentiated then, before pacing has produced this step's bounds: its ratio is exactly 1,
+  strictly inside every [1 - eps_low, 1 + eps_high], so neither its gradient nor its metrics depend
+  on the bounds (nor do the KL, the entropy bonus or Clip-Cov / KL-Cov's token choice), and its own
+  pass (stop-gradient) is the old policy's. Only the other minibatches need a separate pass with the
+  pre-update params, one at a time to bound its activation memory.
+  """
+  b, m = batch["tokens"].shape[0], cfg.num_minibatches
   if cfg.old_logprobs == "sampler":
     if "logprobs" not in batch or "entropies" not in batch:
       raise ValueError('old_logprobs="sampler" needs batch["logprobs"] and batch["entropies"]')
-    # The rollout's own numbers (aligned with tokens: token t + 1 is scored at position t).
     old_logp_BxR, entropy_BxR = (
-        jnp.take_along_axis(batch[k][:, 1:].astype(jnp.float32), idx_BxR, axis=1)
+        jnp.take_along_axis(batch[k][:, 1:].astype(jnp.float32), data["idx"], axis=1)
         for k in ("logprobs", "entropies"))
-  else:
-    # The sampling policy, re-scored teacher-forced: the ratio's denominator and the pacing signal.
-    # The first minibatch of the first epoch is differentiated first, before pacing has produced
-    # this step's bounds: its ratio is exactly 1, strictly inside every [1 - eps_low, 1 + eps_high],
-    # so neither its gradient nor its metrics depend on the bounds (nor do the KL, the entropy
-    # bonus or Clip-Cov / KL-Cov's token choice), and its own pass (stop-gradient) is the old
-    # policy's. Only the other minibatches need a separate pass with the pre-update params, one at
-    # a time to bound its activation memory.
-    placeholder_K = jnp.ones((cfg.num_tasks,), jnp.float32)  # Any positive bounds: unused at r = 1.
-    in_order = _minibatches(data, None, m, cfg.minibatch_sharding)
-    (loss0, (metrics0, logp0, ent0)), grads0 = jax.value_and_grad(loss_fn, has_aux=True)(
-        state.trainable, _take(in_order, 0), keys0[0], placeholder_K, placeholder_K, None)
-    first = (loss0, metrics0, grads0)
-    old_logp, entropy = logp0[None], ent0[None]
-    if m > 1:
-      rest = jax.tree_util.tree_map(lambda x: x[1:], in_order)
-      old_params = transformer.layer_params(params, cfg.model)  # Split once for every pass.
-      old_rest, ent_rest = lax.map(lambda mb: score(old_params, mb), rest)
-      old_logp = jnp.concatenate([old_logp, old_rest])
-      entropy = jnp.concatenate([entropy, ent_rest])
-    old_logp_BxR, entropy_BxR = old_logp.reshape(b, -1), entropy.reshape(b, -1)
-  data["old_logp"] = old_logp_BxR
+    return old_logp_BxR, entropy_BxR, None
+  placeholder_K = jnp.ones((cfg.num_tasks,), jnp.float32)  # Any positive bounds: unused at r = 1.
+  in_order = _minibatches(data, None, m, cfg.minibatch_sharding)
+  (loss0, (metrics0, logp0, ent0)), grads0 = jax.value_and_grad(minibatch_loss, has_aux=True)(
+      state.trainable, frozen, _take(in_order, 0), key, placeholder_K, placeholder_K, None, cfg)
+  first = apply_update((state.trainable, state.opt_state), loss0, metrics0, grads0, tx)
+  old_logp, entropy = logp0[None], ent0[None]
+  if m > 1:
+    rest = jax.tree_util.tree_map(lambda x: x[1:], in_order)
+    old_params = transformer.layer_params(lora.combine(state.trainable, frozen), cfg.model)
+    old_rest, ent_rest = lax.map(lambda mb: _score(old_params, mb, cfg), rest)
+    old_logp = jnp.concatenate([old_logp, old_rest])
+    entropy = jnp.concatenate([entropy, ent_rest])
+  return old_logp.reshape(b, -1), entropy.reshape(b, -1), first
 
-  # EPPO: task entropies of the sampling policy -> smoothed state -> per-task bounds.
-  ent_K, cnt_K = pacing.task_entropy(entropy_BxR, loss_mask_BxR, batch["task_ids"],
-                                     cfg.num_tasks, axis)
-  diagnostics = pacing.pacing_diagnostics(state.pacing, ent_K, cnt_K, cfg.pacing)
+
+def pace(state: pacing.PacingState, entropy_BxR, loss_mask_BxR, task_ids_B, cfg: StepConfig):
+  """EPPO: task entropies of the sampling policy -> smoothed state -> per-task bounds.
+
+  Returns (new pacing state, eps_low [K], eps_high [K], metrics). A batch whose task entropies are
+  not finite leaves the pacing state as it was.
+  """
+  ent_K, cnt_K = pacing.task_entropy(entropy_BxR, loss_mask_BxR, task_ids_B, cfg.num_tasks)
+  diagnostics = pacing.pacing_diagnostics(state, ent_K, cnt_K, cfg.pacing)
   healthy = jnp.all(jnp.isfinite(ent_K))
-  new_pacing = pacing.update_pacing(state.pacing, ent_K, cnt_K, cfg.pacing)
-  new_pacing = jax.tree_util.tree_map(lambda n, o: jnp.where(healthy, n, o), new_pacing,
-                                      state.pacing)
-  eps_low_K, eps_high_K = pacing.pacing_bounds(new_pacing, cfg.pacing)
+  new_state = pacing.update_pacing(state, ent_K, cnt_K, cfg.pacing)
+  new_state = jax.tree_util.tree_map(lambda n, o: jnp.where(healthy, n, o), new_state, state)
+  eps_low_K, eps_high_K = pacing.pacing_bounds(new_state, cfg.pacing)
+  metrics = dict(
+      entropy_K=ent_K, token_count_K=cnt_K, eps_low_K=eps_low_K, eps_high_K=eps_high_K,
+      entropy_ema_K=new_state.ema_K, entropy_crossovers=diagnostics["entropy_crossovers"],
+      entropy_spikes_K=diagnostics["entropy_spikes_K"].astype(jnp.int32),
+      num_entropy_spikes=diagnostics["num_entropy_spikes"], nonfinite_entropy=1 - healthy)
+  return new_state, eps_low_K, eps_high_K, metrics
 
-  def update(carry, xs):
-    mb, key = xs
-    (loss, (metrics, _, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        carry[0], mb, key, eps_low_K, eps_high_K, mb["old_logp"])
-    return apply(carry, loss, metrics, grads)
 
-  carry = (state.trainable, state.opt_state)
+def ppo_updates(carry, frozen, data: dict, rng_epochs, eps_low_K, eps_high_K, first,
+                cfg: StepConfig, tx):
+  """`cfg.ppo_epochs` passes of `cfg.num_minibatches` updates -> (carry, metrics per update).
+
+  `first` (from `old_policy_scores`) is the first epoch's first update, already taken.
+  """
+  b, m = data["tokens"].shape[0], cfg.num_minibatches
+  update = lambda carry, xs: minibatch_update(carry, frozen, *xs, eps_low_K, eps_high_K, cfg, tx)
   per_update = []
   for epoch in range(cfg.ppo_epochs):
-    # The same permutation on every device (same key), so minibatch i is a global minibatch.
     perm_key, loss_key = jax.random.split(rng_epochs[epoch])
     order = _epoch_order(perm_key, b, cfg.group_size if cfg.shared_prefix else 1) if epoch else None
-    keys = jax.random.split(loss_key, m)
     mbs = _minibatches(data, order, m, cfg.minibatch_sharding)
+    keys = jax.random.split(loss_key, m)
     if epoch == 0 and first is not None:
-      carry, metrics = apply(carry, *first)
+      carry, metrics = first
       per_update.append(jax.tree_util.tree_map(lambda x: x[None], metrics))
       mbs, keys = jax.tree_util.tree_map(lambda x: x[1:], (mbs, keys))
       if m == 1:
         continue
     carry, metrics = lax.scan(update, carry, (mbs, keys))
     per_update.append(metrics)
-  per_update = jax.tree_util.tree_map(lambda *x: jnp.concatenate(x), *per_update)
+  return carry, jax.tree_util.tree_map(lambda *x: jnp.concatenate(x), *per_update)
+
+
+def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: StepConfig,
+               tx: optax.GradientTransformation):
+  """One RL update: old-policy scores, pacing, then PPO epochs x minibatches.
+
+  `batch` (the global batch): tokens / attention_mask / loss_mask [B,T], task_ids / group_ids [B]
+  int32, rewards [B] float32 (NaN or inf: the episode is left out); with
+  `cfg.old_logprobs == "sampler"` also logprobs / entropies [B,T] float32 (the sampler's number for
+  each token). Returns (new state, metrics).
+  """
+  b, m = batch["tokens"].shape[0], cfg.num_minibatches
+  if b % m:
+    raise ValueError(f"batch {b} is not divisible by {m} minibatches")
+  if cfg.shared_prefix and (b // m) % cfg.group_size:
+    raise ValueError(f"a shared prefix needs whole groups of {cfg.group_size} rows in each "
+                     f"minibatch of {b // m}")
+  data, over_budget = update_inputs(lora.combine(state.trainable, frozen), batch, cfg)
+  rng_epochs = jax.random.split(rng, cfg.ppo_epochs)
+  first_key = jax.random.split(jax.random.split(rng_epochs[0])[1], m)[0]  # The first update's.
+  data["old_logp"], entropy_BxR, first = old_policy_scores(state, frozen, data, batch, first_key,
+                                                           cfg, tx)
+  new_pacing, eps_low_K, eps_high_K, pacing_metrics = pace(
+      state.pacing, entropy_BxR, data["loss_mask"], batch["task_ids"], cfg)
+  (trainable, opt_state), per_update = ppo_updates(
+      (state.trainable, state.opt_state), frozen, data, rng_epochs, eps_low_K, eps_high_K, first,
+      cfg, tx)
   metrics = {k: (v.sum(0) if k == "skipped" else v.mean(0)) for k, v in per_update.items()}
-  advantage_abs_mean = jnp.mean(jnp.abs(advantages_B))  # This device's share (equal sizes).
-  if axis is not None:
-    advantage_abs_mean = lax.pmean(advantage_abs_mean, axis)
-    over_budget = lax.psum(over_budget, axis)
-  metrics.update(
-      entropy_K=ent_K, token_count_K=cnt_K, eps_low_K=eps_low_K, eps_high_K=eps_high_K,
-      entropy_ema_K=new_pacing.ema_K, entropy_crossovers=diagnostics["entropy_crossovers"],
-      entropy_spikes_K=diagnostics["entropy_spikes_K"].astype(jnp.int32),
-      num_entropy_spikes=diagnostics["num_entropy_spikes"],
-      advantage_abs_mean=advantage_abs_mean, nonfinite_entropy=1 - healthy,
-      loss_tokens_over_budget=over_budget.astype(jnp.int32))
-  trainable, opt_state = carry
+  metrics.update(pacing_metrics, advantage_abs_mean=jnp.mean(jnp.abs(data["advantages"])),
+                 loss_tokens_over_budget=over_budget.astype(jnp.int32))
   new_state = TrainState(step=state.step + 1, trainable=trainable, opt_state=opt_state,
                          pacing=new_pacing)
   return new_state, metrics
 
 
-def sft_loss(params, model: ModelConfig, batch: dict, axis_name: Optional[str]):
-  """Token-mean NLL of the loss-masked (assistant) tokens; under pmap N_devices x this share."""
+# ----------------------------------------------------------------------------------------------
+# Supervised warm start.
+
+
+def sft_loss(params, model: ModelConfig, batch: dict):
+  """Token-mean NLL of the loss-masked (assistant) tokens of the batch."""
   logp_BxT, _ = sequence_logprobs(params, model, batch["tokens"], batch["attention_mask"], 1.0)
   mask_BxT = batch["loss_mask"][:, 1:].astype(jnp.float32)
-  total, count = jnp.sum(-logp_BxT * mask_BxT), jnp.sum(mask_BxT)
-  if axis_name is None:
-    return total / jnp.maximum(count, 1.0)
-  # Same convention as eppo_loss: the normaliser is global, the numerator local, so the pmean of
-  # the gradients is the gradient of the global token mean.
-  return total / jnp.maximum(lax.psum(count, axis_name), 1.0) * lax.psum(1, axis_name)
+  return jnp.sum(-logp_BxT * mask_BxT) / jnp.maximum(jnp.sum(mask_BxT), 1.0)
 
 
 def sft_step(trainable, opt_state, frozen, batch: dict, *, model: ModelConfig,
-             tx: optax.GradientTransformation, axis_name: Optional[str] = "data"):
+             tx: optax.GradientTransformation):
   """One supervised update on expert demonstrations -> (trainable, opt_state, metrics)."""
-  loss_fn = lambda t: sft_loss(lora.combine(t, frozen), model, batch, axis_name)
-  loss, grads = jax.value_and_grad(loss_fn)(trainable)
-  if axis_name is not None:
-    loss, grads = lax.pmean((loss, grads), axis_name)
+  loss, grads = jax.value_and_grad(lambda t: sft_loss(lora.combine(t, frozen), model, batch))(
+      trainable)
   updates, opt_state = tx.update(grads, opt_state, trainable)
   return (optax.apply_updates(trainable, updates), opt_state,
           {"sft_loss": loss, "sft_grad_norm": optax.tree.norm(grads)})

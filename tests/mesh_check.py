@@ -11,7 +11,8 @@ import sys
 import jax
 import numpy as np
 
-from eppo_jax import lora, objective, pacing, steps, train
+from eppo_jax import lora, objective, pacing, programs, steps
+from eppo_jax import hosts
 from eppo_jax import mesh as meshlib
 from eppo_jax.checkpoint import Checkpointer
 from eppo_jax.models.config import LoraConfig, ModelConfig
@@ -62,31 +63,31 @@ def train_steps(mesh, model, trainable, frozen, tx):
                                           multiple=1) for b in batches)
   assert shared == PROMPT - 1, shared
   cfg = steps.StepConfig(model=model, pacing=pc, loss=lc, num_tasks=K, num_groups=B // G,
-                         num_minibatches=2, axis_name=None,
+                         num_minibatches=2,
                          minibatch_sharding=meshlib.minibatch_sharding(mesh),
                          shared_prefix=shared, group_size=G)
   state = steps.TrainState(step=np.zeros((), np.int32), trainable=trainable,
                            opt_state=tx.init(trainable), pacing=pacing.init_pacing(K))
   state_sh, frozen_sh = meshlib.shardings(state, mesh), meshlib.shardings(frozen, mesh)
-  state, frozen = meshlib.put(state, state_sh), meshlib.put(frozen, frozen_sh)
+  state, frozen = hosts.put(state, state_sh), hosts.put(frozen, frozen_sh)
   step = jax.jit(functools.partial(steps.train_step, cfg=cfg, tx=tx),
                  in_shardings=(state_sh, frozen_sh, meshlib.batch_sharding(mesh),
                                meshlib.replicated(mesh)),
                  out_shardings=(state_sh, meshlib.replicated(mesh)))
-  sft = jax.jit(functools.partial(steps.sft_step, model=model, tx=tx, axis_name=None))
+  sft = jax.jit(functools.partial(steps.sft_step, model=model, tx=tx))
   sft_batch = {k: v for k, v in _batch(9).items() if k in ("tokens", "attention_mask", "loss_mask")}
   with jax.set_mesh(mesh):  # As the trainer runs them (activations pinned to their rows).
     for i in range(3):
-      state, metrics = step(state, frozen, meshlib.put_rows(batches[i], mesh),
+      state, metrics = step(state, frozen, hosts.put_rows(batches[i], mesh),
                             jax.random.PRNGKey(i))
     sft_trainable, _, _ = sft(state.trainable, state.opt_state, frozen,
-                              meshlib.put_rows(sft_batch, mesh))
-  return state, meshlib.fetch(metrics), meshlib.fetch(sft_trainable)
+                              hosts.put_rows(sft_batch, mesh))
+  return state, hosts.fetch(metrics), hosts.fetch(sft_trainable)
 
 
 def greedy_turns(mesh, model, params):
   """Two greedy turns of 6 conversations (one empty) through ModelPolicy -> [(tokens, mask)]."""
-  params = meshlib.put(params, meshlib.shardings(params, mesh))
+  params = hosts.put(params, meshlib.shardings(params, mesh))
   policy = ModelPolicy(params, model, SamplingConfig(max_new_tokens=5, greedy=True,
                                                      stop_token_ids=(3,)), 64,
                        jax.random.PRNGKey(0), mesh)
@@ -104,7 +105,7 @@ def greedy_turns(mesh, model, params):
 def main(out_path: str, ckpt_dir: str) -> None:
   model, params = _model()
   trainable, frozen = lora.partition(params, lora.trainable_mask(params))
-  tx = train.make_optimizer(3e-3, 0, 0.0, 1.0)
+  tx = programs.make_optimizer(3e-3, 0, 0.0, 1.0)
   one = meshlib.make_mesh(meshlib.MeshConfig(1, 1, 1), jax.devices()[:1])
   eight = meshlib.make_mesh(meshlib.MeshConfig(2, 2, 2))
 
@@ -131,15 +132,15 @@ def main(out_path: str, ckpt_dir: str) -> None:
 
   result = dict(
       devices=jax.device_count(), mesh=dict(eight.shape), sharded_leaves=int(sharded),
-      train_max_abs_diff=_max_diff(meshlib.fetch(state1), meshlib.fetch(state8)),
+      train_max_abs_diff=_max_diff(hosts.fetch(state1), hosts.fetch(state8)),
       sft_max_abs_diff=_max_diff(sft1, sft8),
-      update_size=_max_diff(meshlib.fetch(state1.trainable), trainable),
+      update_size=_max_diff(hosts.fetch(state1.trainable), trainable),
       metrics={k: [np.asarray(metrics1[k], np.float64).tolist(),
                    np.asarray(metrics8[k], np.float64).tolist()] for k in metrics1},
       rollout_equal=bool(rollout_equal),
       rollout_tokens=int(sum(m.sum() for _, m in turns1)),
       restored_specs_follow_target=bool(follows and meta == {"note": "mesh"}),
-      restore_max_abs_diff=_max_diff(meshlib.fetch(restored), meshlib.fetch(state8)))
+      restore_max_abs_diff=_max_diff(hosts.fetch(restored), hosts.fetch(state8)))
   with open(out_path, "w") as f:
     json.dump(result, f)
 

@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from eppo_jax import lora, pacing, steps, train
+from eppo_jax import lora, pacing, programs, steps, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,7 +74,7 @@ def state_like(config, workdir) -> steps.TrainState:
   trainable, _ = lora.partition(params, lora.trainable_mask(
       params, full_finetune=not config.model.lora_rank))
   o = config.optim
-  tx = train.make_optimizer(o.learning_rate, o.warmup_steps, o.weight_decay, o.grad_clip)
+  tx = programs.make_optimizer(o.learning_rate, o.warmup_steps, o.weight_decay, o.grad_clip)
   return steps.TrainState(step=np.zeros((), np.int32), trainable=trainable,
                           opt_state=tx.init(trainable),
                           pacing=pacing.init_pacing(len(config.tasks.specs)))

@@ -11,6 +11,7 @@ import pytest
 
 import eppo_jax
 from eppo_jax import agent, sampling, steps
+from eppo_jax import hosts
 from eppo_jax import mesh as meshlib
 from eppo_jax.envs import FrozenLake, format_action, play, registry
 from eppo_jax.models import hf
@@ -290,7 +291,7 @@ def test_model_episodes_are_what_the_cache_saw(pretrained, chat):
 def test_model_policy_collects_consistent_greedy_episodes(pretrained, chat):
   """ModelPolicy over all devices: greedy tokens are the teacher-forced argmax; groups agree."""
   mesh = meshlib.make_mesh(meshlib.DATA_ONLY)
-  params = meshlib.put(pretrained.params, meshlib.shardings(pretrained.params, mesh))
+  params = hosts.put(pretrained.params, meshlib.shardings(pretrained.params, mesh))
   policy = ModelPolicy(params, pretrained.config, _sampling_cfg(chat, greedy=True), MAX_SLOTS,
                        jax.random.PRNGKey(0), mesh)
   g = 5  # 15 rows over 4 devices (4 each, one filler row): groups straddle devices.
@@ -322,7 +323,7 @@ def test_model_policy_collects_consistent_greedy_episodes(pretrained, chat):
 def test_model_policy_compaction_keeps_greedy_replies(pretrained, chat):
   """Turns after episodes end run on a compacted cache and reply exactly as without compaction."""
   mesh = meshlib.make_mesh(meshlib.DATA_ONLY)
-  params = meshlib.put(pretrained.params, meshlib.shardings(pretrained.params, mesh))
+  params = hosts.put(pretrained.params, meshlib.shardings(pretrained.params, mesh))
   cfg = _sampling_cfg(chat, greedy=True)
   d = jax.device_count()
   n = 16 * d  # 16 rows per device: room for two quarterings.
@@ -358,7 +359,7 @@ def test_model_policy_prefill_in_pieces_equals_one_prefill(pretrained, chat):
   """prefill_chunk=8 on 32-token chunks (3 pieces of 8, then the turn on the last 8): the same
   greedy replies, log-probs and cache as prefilling each chunk in one call."""
   mesh = meshlib.make_mesh(meshlib.DATA_ONLY)
-  params = meshlib.put(pretrained.params, meshlib.shardings(pretrained.params, mesh))
+  params = hosts.put(pretrained.params, meshlib.shardings(pretrained.params, mesh))
   cfg = _sampling_cfg(chat, greedy=True)
   n = jax.device_count()
   rng = np.random.default_rng(1)

@@ -13,7 +13,8 @@ import pytest
 from jax import lax
 
 from eppo_jax.objective import LossConfig, eppo_loss, grpo_advantages
-from eppo_jax.pacing import task_entropy, token_entropy
+from eppo_jax.logprobs import token_logprobs_and_entropy
+from eppo_jax.pacing import task_entropy
 
 D, B_LOCAL, T, F, V, K = 4, 3, 6, 5, 7, 3
 AXIS = "data"
@@ -42,9 +43,7 @@ def make_batch(seed):
 
 
 def policy(w, x, targets):
-  logits = x @ w
-  logp = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
-  return logp, token_entropy(logits)
+  return token_logprobs_and_entropy(x @ w, targets)
 
 
 def loss_fn(w, d, eps_low, eps_high, cfg, axis_name):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh
 
-from eppo_jax import fit, lora, mesh as meshlib, pacing, steps, train
+from eppo_jax import fit, lora, mesh as meshlib, pacing, programs, steps
 from eppo_jax.models.transformer import init_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +64,7 @@ def test_fit_reports_the_per_device_bytes_of_the_sharded_train_step(tmp_path):
                           jax.ShapeDtypeStruct((2,), jnp.uint32))
   trainable, frozen = lora.partition(params, lora.trainable_mask(params))
   o = config.optim
-  tx = train.make_optimizer(o.learning_rate, o.warmup_steps, o.weight_decay, o.grad_clip)
+  tx = programs.make_optimizer(o.learning_rate, o.warmup_steps, o.weight_decay, o.grad_clip)
   state = jax.eval_shape(lambda t: steps.TrainState(
       step=jnp.zeros((), jnp.int32), trainable=t, opt_state=tx.init(t),
       pacing=pacing.init_pacing(len(config.tasks.specs))), trainable)

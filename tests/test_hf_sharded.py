@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 import eppo_jax
 from eppo_jax import lora
+from eppo_jax import hosts
 from eppo_jax import mesh as meshlib
 from eppo_jax.models import hf
 from eppo_jax.models.config import LoraConfig
@@ -81,7 +82,7 @@ def _adapted(pre, mesh=None, seed=0):
     flat[path] = 0.3 * jax.random.normal(jax.random.fold_in(key, i), flat[path].shape)
   params = tu.unflatten_dict(flat)
   if mesh is not None:
-    params = meshlib.put(params, meshlib.shardings(params, mesh))
+    params = hosts.put(params, meshlib.shardings(params, mesh))
   return config, params
 
 

@@ -98,7 +98,7 @@ def test_chunked_head_memory_does_not_grow_with_positions_times_vocab():
 
 
 def test_sampler_formula_is_the_shared_one():
-  """sample_token and pacing report the numbers of the shared function (one distribution)."""
+  """sample_token and the teacher-forced scores report the numbers of one shared function."""
   from eppo_jax import sampling  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   logits = jnp.asarray(rng.normal(size=(5, 33)) * 3, jnp.float32)
@@ -107,7 +107,7 @@ def test_sampler_formula_is_the_shared_one():
   logp_all = jax.nn.log_softmax(logits / 0.8)
   np.testing.assert_allclose(lp, jnp.take_along_axis(logp_all, token[:, None], 1)[:, 0], atol=1e-6)
   np.testing.assert_allclose(ent, -jnp.sum(jnp.exp(logp_all) * logp_all, -1), atol=1e-5)
-  np.testing.assert_allclose(pacing.token_entropy(logits * 1.25), ent, atol=1e-5)
+  np.testing.assert_allclose(_entropy(logits[:, None] * 1.25)[:, 0], ent, atol=1e-5)
 
 
 def test_loss_positions_and_budget():
@@ -190,7 +190,7 @@ def test_train_step_matches_the_full_position_update(case):
   assert budget < T - 1
   cfg = steps.StepConfig(model=MODEL, pacing=pacing_cfg, loss=loss_cfg, num_tasks=K,
                          num_groups=B // G, temperature=0.9, num_minibatches=minibatches,
-                         ppo_epochs=epochs, axis_name=None, loss_tokens_per_row=budget)
+                         ppo_epochs=epochs, loss_tokens_per_row=budget)
   _check_against_reference(cfg, batch)
 
 
@@ -257,7 +257,7 @@ def test_shared_prompt_update_equals_the_whole_row_update():
   pacing_cfg, loss_cfg = objective.method_configs("eppo")
   cfg = steps.StepConfig(model=MODEL, pacing=pacing_cfg, loss=loss_cfg, num_tasks=K,
                          num_groups=B // G, temperature=0.9, num_minibatches=2, ppo_epochs=2,
-                         axis_name=None, loss_tokens_per_row=T - 9, shared_prefix=shared,
+                         loss_tokens_per_row=T - 9, shared_prefix=shared,
                          group_size=G)
   _check_against_reference(cfg, {k: jnp.asarray(v) for k, v in batch.items()})
   with pytest.raises(ValueError, match="whole groups"):
@@ -270,7 +270,7 @@ def test_sampler_old_logprobs_enter_the_update():
   pacing signal (reference given the same numbers); over budget rows are counted, not dropped."""
   pacing_cfg, loss_cfg = objective.method_configs("eppo")
   cfg = steps.StepConfig(model=MODEL, pacing=pacing_cfg, loss=loss_cfg, num_tasks=K,
-                         num_groups=B // G, num_minibatches=2, axis_name=None,
+                         num_groups=B // G, num_minibatches=2,
                          old_logprobs="sampler")
   tx = optax.sgd(0.2)
   params = transformer.init_params(MODEL, jax.random.PRNGKey(0))
@@ -326,3 +326,34 @@ def test_layers_scanned_or_unrolled_give_the_same_scores_and_gradients():
                           jax.tree_util.tree_leaves(grads[False])):
     assert x.shape == y.shape
     np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+def np_token_entropy(logits):
+  """Entropy by definition, -sum p log p, in float64 with the max subtracted."""
+  z = np.asarray(logits, np.float64)
+  z = z - z.max(-1, keepdims=True)
+  p = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+  logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+  return -(np.where(p > 0, p * logp, 0.0)).sum(-1)
+
+
+def _entropy(logits_BxTxV):
+  """The entropy half of the one formula (the token only picks the unused log-prob)."""
+  return logprobs.token_logprobs_and_entropy(logits_BxTxV, jnp.zeros(logits_BxTxV.shape[:-1],
+                                                                      jnp.int32))[1]
+
+
+def test_token_entropy_matches_definition_and_is_stable():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(2, 3, 11)) * 4
+  logits[0, 0] = 0.0                       # uniform: log V
+  logits[0, 1] = -1e9
+  logits[0, 1, 3] = 50.0                   # one-hot: 0, with probabilities underflowing
+  logits[1, 2] *= 1e4                      # huge logits
+  got = np.asarray(_entropy(jnp.asarray(logits, jnp.float32)))
+  assert got.dtype == np.float32 and np.all(np.isfinite(got))
+  np.testing.assert_allclose(got, np_token_entropy(logits), atol=2e-5)
+  np.testing.assert_allclose(got[0, 0], np.log(11), rtol=1e-6)
+  assert abs(got[0, 1]) < 1e-6
+  bf16 = _entropy(jnp.asarray(logits, jnp.bfloat16))
+  assert bf16.dtype == jnp.float32

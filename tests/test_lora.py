@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import eppo_jax
-from eppo_jax import lora
+from eppo_jax import lora, programs
 from eppo_jax.models.config import LORA_TARGETS, LoraConfig
 
 from conftest import fast_logits, hf_logits, left_padded_batch, max_valid_diff
@@ -189,6 +189,49 @@ def test_masked_optimizer_freezes_base_and_keeps_state_only_for_adapters(qwen2):
   assert state_shapes == sorted(lora_shapes * 2)  # Adam's mu and nu, nothing else.
   base_shapes = {v.shape for p, v in flat_old.items() if not lora.is_lora_path(p)}
   assert not base_shapes & set(state_shapes)
+
+
+def test_partitioned_update_equals_the_masked_optimizer(qwen2):
+  """The trainer's form of the LoRA-masked optimizer (`programs`: the plain optimizer on the
+  partitioned trainable leaves, the frozen base a constant) gives the update that
+  `lora.masked_optimizer` gives on the whole tree, over 3 steps of the trainer's AdamW."""
+  pre, tokens, mask = qwen2
+  config, params = lora.add_lora(pre.params, pre.config, LORA, jax.random.PRNGKey(0))
+  trainable_mask = lora.trainable_mask(params)
+  tx = programs.make_optimizer(1e-2, 0, 0.1, 1.0)  # Clipping and weight decay included.
+
+  def loss_fn(p):
+    logp = jax.nn.log_softmax(eppo_jax.logits(p, config, tokens, mask)[:, :-1])
+    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    return jnp.sum(nll * mask[:, 1:]) / jnp.sum(mask[:, 1:])
+
+  masked = lora.masked_optimizer(tx, trainable_mask)
+
+  @jax.jit
+  def masked_step(p, s):
+    updates, s = masked.update(jax.grad(loss_fn)(p), s, p)
+    return optax.apply_updates(p, updates), s
+
+  @jax.jit
+  def partitioned_step(trainable, frozen, s):
+    grads = jax.grad(lambda t: loss_fn(lora.combine(t, frozen)))(trainable)
+    updates, s = tx.update(grads, s, trainable)
+    return optax.apply_updates(trainable, updates), s
+
+  whole, whole_state = params, masked.init(params)
+  trainable, frozen = lora.partition(params, trainable_mask)
+  part_state = tx.init(trainable)
+  for _ in range(3):
+    whole, whole_state = masked_step(whole, whole_state)
+    trainable, part_state = partitioned_step(trainable, frozen, part_state)
+  flat_whole = tu.flatten_dict(whole)
+  flat_part = tu.flatten_dict(lora.combine(trainable, frozen))
+  assert flat_whole.keys() == flat_part.keys()
+  moved = 0
+  for path, x in flat_whole.items():
+    np.testing.assert_allclose(flat_part[path], x, rtol=1e-6, atol=1e-7, err_msg=str(path))
+    moved += lora.is_lora_path(path) and not np.array_equal(x, tu.flatten_dict(params)[path])
+  assert moved == len(_lora_paths(params))  # Every adapter moved: not two no-ops.
 
 
 def test_trainable_mask_and_partition_round_trip(qwen2):

@@ -95,6 +95,12 @@ def test_sampling_config_validation():
   assert hash(SamplingConfig(stop_token_ids=[3, 4])) == hash(SamplingConfig(stop_token_ids=(3, 4)))
 
 
+@jax.jit
+def _extend(params, cache, tokens_BxT, mask_BxT):
+  """Appends a left-padded chunk to the cache -> (logits [B,T,V], cache)."""
+  return eppo_jax.forward_with_cache(params, TINY, tokens_BxT, mask_BxT, cache)
+
+
 def test_cached_decode_logits_equal_uncached_forward(params):
   """Prefill + ragged chunk + one-token steps through the cache == one full forward."""
   rng = np.random.default_rng(0)
@@ -106,7 +112,7 @@ def test_cached_decode_logits_equal_uncached_forward(params):
   cache = eppo_jax.init_cache(TINY, 3, 24)
   cached = []
   for tokens, mask in chunks:
-    logits, cache = sampling.extend(params, TINY, cache, jnp.asarray(tokens), jnp.asarray(mask))
+    logits, cache = _extend(params, cache, jnp.asarray(tokens), jnp.asarray(mask))
     cached.append(np.asarray(logits))
   assert int(cache["index"]) == 8 + 1 + 4 + 1 + 1
 
@@ -254,11 +260,12 @@ def test_cache_overflow_is_refused(params):
     sampling.rollout(params, TINY, jnp.asarray(prompt), jnp.asarray(mask), jax.random.PRNGKey(0),
                      cfg, cache=out.cache)
   # Under an outer jit the index is traced: the overflowing chunk is poisoned, never clamped.
-  cache = eppo_jax.init_cache(TINY, 1, 6)
+  cache = eppo_jax.init_cache(TINY, 1, 8)
   cache["index"] = jnp.asarray(4, jnp.int32)
-  logits = jax.jit(lambda c: sampling.extend(params, TINY, c, jnp.asarray(prompt),
-                                             jnp.asarray(mask))[0])(cache)
-  assert np.all(np.isnan(np.asarray(logits)))
+  logprobs = jax.jit(lambda c: sampling.rollout_body(
+      params, TINY, jnp.asarray(prompt), jnp.asarray(mask), jax.random.PRNGKey(0), cfg,
+      c).logprobs)(cache)
+  assert np.isnan(np.asarray(logprobs)[0, 0])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -343,16 +350,16 @@ def test_greedy_matches_transformers_generate(tmp_path):
   np.testing.assert_array_equal(np.asarray(out.tokens), hf_tokens)
 
 
-def test_prefix_bucket():
-  assert [sampling.prefix_bucket(n, 256) for n in (1, 64, 65, 100, 128, 129, 256)] == [
+def test_window_bucket():
+  assert [sampling.window_bucket(n, 256) for n in (1, 64, 65, 100, 128, 129, 256)] == [
       64, 64, 128, 128, 128, 256, 256]
-  assert sampling.prefix_bucket(5, 20) == 8  # Rounded up to a multiple of 8, capped at S.
+  assert sampling.window_bucket(5, 20) == 8  # Rounded up to a multiple of 8, capped at S.
   with pytest.raises(ValueError, match="only 24"):
-    sampling.prefix_bucket(25, 24)
+    sampling.window_bucket(25, 24)
 
 
-def test_rollout_over_the_used_prefix_equals_the_full_cache(params):
-  """Three turns attending over bucketed prefixes of a 256-slot cache == over all 256 slots."""
+def test_rollout_over_the_used_window_equals_the_full_cache(params):
+  """Three turns attending over bucketed windows of a 256-slot cache == over all 256 slots."""
   rng = np.random.default_rng(14)
   cfg = SamplingConfig(max_new_tokens=6, greedy=True, stop_token_ids=(3,))
   chunks = [sampling.left_pad(_ragged_prompts(rng, lengths), (8,), 0)
@@ -362,20 +369,20 @@ def test_rollout_over_the_used_prefix_equals_the_full_cache(params):
     cache, outs[name] = None, []
     for turn, (tokens, mask) in enumerate(chunks):
       kw = dict(max_len=256) if cache is None else dict(cache=cache)
-      prefix = 256 if name == "full" else None
+      window = 256 if name == "full" else None
       out = sampling.rollout(params, TINY, jnp.asarray(tokens), jnp.asarray(mask),
-                             jax.random.PRNGKey(turn), cfg, prefix=prefix, **kw)
+                             jax.random.PRNGKey(turn), cfg, window=window, **kw)
       cache = out.cache
       outs[name].append(out)
-  assert sampling.prefix_bucket(8 + 6, 256) == 64  # The first turn reads 64 of 256 slots.
+  assert sampling.window_bucket(8 + 6, 256) == 64  # The first turn reads 64 of 256 slots.
   for bucketed, full in zip(outs["bucketed"], outs["full"]):
     np.testing.assert_array_equal(np.asarray(bucketed.tokens), np.asarray(full.tokens))
     np.testing.assert_array_equal(np.asarray(bucketed.mask), np.asarray(full.mask))
     np.testing.assert_allclose(np.asarray(bucketed.logprobs), np.asarray(full.logprobs),
                                atol=1e-5, rtol=0)
-  with pytest.raises(ValueError, match="prefix"):
+  with pytest.raises(ValueError, match="window"):
     sampling.rollout(params, TINY, jnp.asarray(chunks[0][0]), jnp.asarray(chunks[0][1]),
-                     jax.random.PRNGKey(0), cfg, max_len=256, prefix=8)
+                     jax.random.PRNGKey(0), cfg, max_len=256, window=8)
 
 
 @pytest.mark.parametrize("unroll", [False, True])

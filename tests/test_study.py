@@ -129,8 +129,8 @@ def test_crossovers_match_the_trainers_definition_on_random_series():
   last_K, seen_K = np.zeros(3, np.float32), np.zeros(3, bool)
   for t, (ent_K, present_K) in enumerate(zip(ent_TxK, present_TxK)):
     records.append(_record(t + 1, [float(h) if p else None for h, p in zip(ent_K, present_K)]))
-    count, _ = pacing.entropy_crossovers(jnp.asarray(last_K), jnp.asarray(ent_K, jnp.float32),
-                                         jnp.asarray(seen_K & present_K))
+    count = pacing.entropy_crossovers(jnp.asarray(last_K), jnp.asarray(ent_K, jnp.float32),
+                                      jnp.asarray(seen_K & present_K))
     total += int(count)
     last_K = np.where(present_K, ent_K, last_K).astype(np.float32)
     seen_K |= present_K

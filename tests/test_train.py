@@ -1,5 +1,6 @@
 """The trainer: run.py end to end, exact resume, 1 vs 4 devices, NaNs, config checks, 2 hosts."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -13,7 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from eppo_jax import objective, pacing, steps, train
+from eppo_jax import config_check, hosts, objective, pacing, programs, steps, train
+from eppo_jax import mesh as meshlib
 from eppo_jax.checkpoint import Checkpointer
 from eppo_jax.envs import FrozenLake, registry
 from eppo_jax.models.config import ModelConfig
@@ -133,10 +135,20 @@ def _step_config(minibatches: int) -> steps.StepConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def _p_train(devices: int, minibatches: int):
-  tx = train.make_optimizer(3e-3, 0, 0.0, 1.0)
-  fn = jax.pmap(functools.partial(steps.train_step, cfg=_step_config(minibatches), tx=tx),
-                axis_name="data", devices=jax.devices()[:devices])
+def _train_fn(devices: int, minibatches: int):
+  """(host state, batch, key) -> host (state, metrics): train_step compiled as the trainer
+  compiles it (`programs.jit_update`), on a data-parallel mesh of `devices` devices."""
+  tx = programs.make_optimizer(3e-3, 0, 0.0, 1.0)
+  mesh = meshlib.make_mesh(meshlib.DATA_ONLY, jax.devices()[:devices])
+  cfg = dataclasses.replace(_step_config(minibatches),
+                            minibatch_sharding=meshlib.minibatch_sharding(mesh))
+  state_sh = meshlib.shardings(_initial_state(tx), mesh)
+  update = programs.jit_update(cfg, tx, state_sh, {}, mesh)
+
+  def fn(state, batch, key):
+    state = hosts.put(jax.device_get(state), state_sh)  # A copy: the update donates its state.
+    with jax.set_mesh(mesh):
+      return hosts.fetch(update(state, {}, hosts.put_rows(batch, mesh), key))
   return fn, tx
 
 
@@ -164,40 +176,17 @@ def _batch(seed: int) -> dict:
               group_ids=group_ids, rewards=rewards)
 
 
-def _layout(batch: dict, devices: int, minibatches: int) -> dict:
-  """[devices, B / devices, ...] such that device d's m-th local minibatch is the d-th slice of
-  global minibatch m (rows m*B/M ... (m+1)*B/M - 1): the same global minibatches on any count."""
-  per = B // minibatches // devices
-  order = np.arange(B).reshape(minibatches, devices, per).transpose(1, 0, 2).reshape(-1)
-  return {k: v[order].reshape((devices, B // devices) + v.shape[1:]) for k, v in batch.items()}
-
-
-def _replicate(tree, devices: int):
-  return jax.tree_util.tree_map(lambda x: np.broadcast_to(np.asarray(x), (devices,) + np.shape(x)),
-                                tree)
-
-
 def test_train_step_is_the_same_on_1_and_4_devices():
-  """One global batch through train_step on 1 and on 4 devices: same params and metrics, 3 steps.
-
-  Two minibatches: device d's m-th local minibatch is the d-th slice of global minibatch m.
-  """
+  """One global batch through train_step on 1 and on 4 devices: same params and metrics, 3 steps
+  (two minibatches, each split over the 4 devices)."""
   minibatches = 2
   results = {}
   for devices in (1, D):
-    fn, tx = _p_train(devices, minibatches)
-    state = _replicate(_initial_state(tx), devices)
-    trace = []
+    fn, tx = _train_fn(devices, minibatches)
+    state, trace = _initial_state(tx), []
     for step in range(3):
-      batch = _layout(_batch(step), devices, minibatches)
-      keys = _replicate(jax.random.fold_in(jax.random.PRNGKey(1), step), devices)
-      state, metrics = fn(state, {}, batch, keys)
-      host = jax.device_get((state, metrics))
-      # Every device holds the same state and metrics.
-      for path, x in jax.tree_util.tree_leaves_with_path(host):
-        np.testing.assert_array_equal(x, np.broadcast_to(x[:1], x.shape),
-                                      err_msg=jax.tree_util.keystr(path))
-      trace.append(jax.tree_util.tree_map(lambda x: x[0], host))
+      state, metrics = fn(state, _batch(step), jax.random.fold_in(jax.random.PRNGKey(1), step))
+      trace.append((state, metrics))
     results[devices] = trace
   for step, ((s1, m1), (s4, m4)) in enumerate(zip(results[1], results[D])):
     assert m1["skipped"] == 0 and m1["advantage_abs_mean"] > 0
@@ -206,7 +195,7 @@ def test_train_step_is_the_same_on_1_and_4_devices():
     for key in m1:
       np.testing.assert_allclose(m1[key], m4[key], atol=1e-5, rtol=1e-5, err_msg=key)
   # The params moved: equality is not that of two no-ops.
-  first = jax.tree_util.tree_leaves(_initial_state(_p_train(1, minibatches)[1]).trainable)
+  first = jax.tree_util.tree_leaves(_initial_state(_train_fn(1, minibatches)[1]).trainable)
   last = jax.tree_util.tree_leaves(results[1][-1][0].trainable)
   assert max(float(np.abs(x - y).max()) for x, y in zip(first, last)) > 1e-3
 
@@ -214,29 +203,28 @@ def test_train_step_is_the_same_on_1_and_4_devices():
 def test_nonfinite_rewards_are_left_out_of_the_update():
   """NaN / inf reward rows carry no loss token and no weight: what they hold cannot change the
   update (bit for bit), while changing a healthy row does."""
-  fn, tx = _p_train(D, 2)
-  state = _replicate(_initial_state(tx), D)
-  key = _replicate(jax.random.PRNGKey(2), D)
+  fn, tx = _train_fn(D, 2)
+  state, key = _initial_state(tx), jax.random.PRNGKey(2)
   bad = _batch(1)
   bad["rewards"][[5, 9, 12]] = [np.nan, np.inf, -np.inf]
-  new, metrics = jax.device_get(fn(state, {}, _layout(bad, D, 2), key))
+  new, metrics = fn(state, bad, key)
   assert (metrics["skipped"] == 0).all()
   healthy = np.isfinite(bad["rewards"])
   counted = np.bincount(bad["task_ids"], weights=(bad["loss_mask"][:, 1:] & healthy[:, None]).sum(1),
                         minlength=K)
-  np.testing.assert_array_equal(metrics["token_count_K"][0], counted)
+  np.testing.assert_array_equal(metrics["token_count_K"], counted)
   valid = healthy.copy()
   ref = np_advantages(bad["rewards"], bad["group_ids"], valid)
-  np.testing.assert_allclose(metrics["advantage_abs_mean"][0], np.abs(ref).mean(), rtol=1e-5)
+  np.testing.assert_allclose(metrics["advantage_abs_mean"], np.abs(ref).mean(), rtol=1e-5)
   other = {k: v.copy() for k, v in bad.items()}
   rng = np.random.default_rng(7)
   other["tokens"][[5, 9, 12]] = rng.integers(1, MODEL.vocab_size, size=(3, T))
   other["rewards"][[5, 9, 12]] = [-np.inf, np.nan, np.nan]
-  same, _ = jax.device_get(fn(state, {}, _layout(other, D, 2), key))
+  same, _ = fn(state, other, key)
   assert_trees_equal(same.trainable, new.trainable)
   control = {k: v.copy() for k, v in bad.items()}
   control["tokens"][6] = rng.integers(1, MODEL.vocab_size, size=T)
-  changed, _ = jax.device_get(fn(state, {}, _layout(control, D, 2), key))
+  changed, _ = fn(state, control, key)
   assert any(not np.array_equal(x, y) for x, y in zip(jax.tree_util.tree_leaves(changed.trainable),
                                                       jax.tree_util.tree_leaves(new.trainable)))
 
@@ -244,21 +232,19 @@ def test_nonfinite_rewards_are_left_out_of_the_update():
 def test_nonfinite_gradient_skips_the_update():
   """A NaN weight gives NaN gradients: every minibatch's update is skipped and counted, and the
   params and optimizer state stay as they were (a control step with healthy weights moves them)."""
-  fn, tx = _p_train(1, 2)
-  state = _replicate(_initial_state(tx), 1)
-  key = _replicate(jax.random.PRNGKey(3), 1)
-  batch = _layout(_batch(0), 1, 2)
+  fn, tx = _train_fn(1, 2)
+  state, key, batch = _initial_state(tx), jax.random.PRNGKey(3), _batch(0)
   leaves, treedef = jax.tree_util.tree_flatten(state.trainable)
   poisoned = [np.array(x) for x in leaves]
   poisoned[-1].flat[0] = np.nan
   bad_state = state.replace(trainable=jax.tree_util.tree_unflatten(treedef, poisoned))
-  new, metrics = jax.device_get(fn(bad_state, {}, batch, key))
-  assert int(metrics["skipped"][0]) == 2
-  assert not np.isfinite(metrics["grad_norm"][0])
+  new, metrics = fn(bad_state, batch, key)
+  assert int(metrics["skipped"]) == 2
+  assert not np.isfinite(metrics["grad_norm"])
   assert_trees_equal(new.trainable, jax.device_get(bad_state.trainable))
   assert_trees_equal(new.opt_state, jax.device_get(bad_state.opt_state))
-  moved, control = jax.device_get(fn(state, {}, batch, key))
-  assert int(control["skipped"][0]) == 0
+  moved, control = fn(state, batch, key)
+  assert int(control["skipped"]) == 0
   assert any(not np.array_equal(x, y) for x, y in zip(jax.tree_util.tree_leaves(moved.trainable),
                                                       jax.tree_util.tree_leaves(state.trainable)))
 
@@ -298,18 +284,21 @@ def test_config_advantage_estimator_reaches_the_update(tmp_path, estimator, per_
   config = smoke_config(tmp_path, **{"advantage_estimator": estimator,
                                      "per_task_std": per_task_std,
                                      "rollout.instances_per_step": B // G, "rollout.group_size": G})
-  train.validate(config)
-  cfg = train.step_config(config, MODEL)
+  config_check.validate(config)
+  mesh = meshlib.make_mesh(meshlib.DATA_ONLY, jax.devices()[:1])
+  cfg = programs.step_config(config, MODEL, mesh)
   assert (cfg.advantage_estimator, cfg.per_task_std) == (estimator, per_task_std)
-  tx = train.make_optimizer(3e-3, 0, 0.0, 1.0)
-  fn = jax.pmap(functools.partial(steps.train_step, cfg=cfg, tx=tx), axis_name="data",
-                devices=jax.devices()[:1])
+  tx = programs.make_optimizer(3e-3, 0, 0.0, 1.0)
+  state = _initial_state(tx)
+  state_sh = meshlib.shardings(state, mesh)
   batch = _batch(0)
-  _, metrics = fn(_replicate(_initial_state(tx), 1), {}, _layout(batch, 1, cfg.num_minibatches),
-                  _replicate(jax.random.PRNGKey(1), 1))
+  with jax.set_mesh(mesh):
+    _, metrics = programs.jit_update(cfg, tx, state_sh, {}, mesh)(
+        hosts.put(state, state_sh), {}, hosts.put_rows(batch, mesh), jax.random.PRNGKey(1))
   expected = _numpy_advantages(batch["rewards"], batch["group_ids"], batch["task_ids"], estimator,
                                per_task_std)
-  np.testing.assert_allclose(metrics["advantage_abs_mean"][0], np.abs(expected).mean(), rtol=1e-5)
+  np.testing.assert_allclose(hosts.fetch(metrics["advantage_abs_mean"]), np.abs(expected).mean(),
+                             rtol=1e-5)
 
 
 class _NanLake(FrozenLake):

@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from eppo_jax import lora
+from eppo_jax import hosts
 from eppo_jax import mesh as meshlib
 from eppo_jax.models.config import ModelConfig
 
@@ -319,7 +320,7 @@ def _host_layer(leaf, layer: Optional[int]) -> np.ndarray:
   if not isinstance(leaf, jax.Array):
     leaf = np.asarray(leaf)
     return leaf if layer is None else leaf[layer]
-  return meshlib.fetch(leaf if layer is None else _take_layer(leaf, layer))
+  return hosts.fetch(leaf if layer is None else _take_layer(leaf, layer))
 
 
 def _hf_tensor(params: dict, slot: _Slot, scale: float) -> np.ndarray:

@@ -379,14 +379,14 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> Cac
   }
 
 
-def split_cache(cache: Cache, prefix: int) -> Cache:
-  """The first `prefix` slots of the cache, with k / v split into tuples of L layer arrays
-  [B,K,prefix,H]: the decode loop's private view when layers are unrolled (`sampling._rollout`).
+def split_cache(cache: Cache, window: int) -> Cache:
+  """The first `window` slots of the cache, with k / v split into tuples of L layer arrays
+  [B,K,window,H]: the decode loop's private view when layers are unrolled (`sampling.rollout_body`).
   Each step then reads each layer's keys in place, where taking layer l of the stacked [L, ...]
   cache copies it at every step. Everything outside that loop sees the stacked layout."""
-  split = lambda c: tuple(x[0] for x in jnp.split(c[:, :, :, :prefix], c.shape[0]))
+  split = lambda c: tuple(x[0] for x in jnp.split(c[:, :, :, :window], c.shape[0]))
   return {**cache, "k": split(cache["k"]), "v": split(cache["v"]),
-          "mask": cache["mask"][:, :prefix]}
+          "mask": cache["mask"][:, :window]}
 
 
 def write_split_chunk(cache: Cache, chunk_kv) -> Cache:
@@ -408,15 +408,15 @@ def merge_cache(cache: Cache, part: Cache) -> Cache:
 
 
 def forward_with_cache(params: Params, config: ModelConfig, tokens_BxT, token_mask_BxT,
-                       cache: Cache, prefix: Optional[int] = None, defer_write: bool = False,
+                       cache: Cache, window: Optional[int] = None, defer_write: bool = False,
                        head: str = "logits"):
   """Writes `T` new tokens at `cache["index"]` -> (float32 logits [B,T,V], cache).
 
   `head="last"` returns the last column's logits only ([B,1,V]), see `Transformer`.
 
   Rows may be left-padded inside the chunk (`token_mask_BxT` False on pads); pads are never attended.
-  The chunk attends only to the first `prefix` slots of the cache (static; default all S): the
-  caller guarantees `index + T <= prefix <= S` (checked statically where shapes allow), so a call
+  The chunk attends only to the first `window` slots of the cache (static; default all S): the
+  caller guarantees `index + T <= window <= S` (checked statically where shapes allow), so a call
   pays for the slots in use rather than for the whole episode's cache.
 
   With `defer_write`, the chunk's keys and values are returned instead of written, as a third
@@ -426,16 +426,16 @@ def forward_with_cache(params: Params, config: ModelConfig, tokens_BxT, token_ma
   cache at every step.
   """
   t, s = tokens_BxT.shape[1], cache["mask"].shape[1]
-  prefix = s if prefix is None else prefix
-  if not t <= prefix <= s:
-    raise ValueError(f"chunk of {t} tokens and prefix {prefix} do not fit a cache of {s} slots")
+  window = s if window is None else window
+  if not t <= window <= s:
+    raise ValueError(f"chunk of {t} tokens and window {window} do not fit a cache of {s} slots")
   index = cache["index"]
   valid_BxT = token_mask_BxT.astype(bool)
   positions_BxT = positions_from_mask(valid_BxT, cache["pos"])
   # Slots before the chunk; the chunk's own keys come straight from this call's projections.
-  old_valid_BxP = cache["mask"][:, :prefix] & (jnp.arange(prefix) < index)[None]
-  # A split cache (`split_cache`, always cut to its prefix) is passed whole.
-  used = lambda c: c if prefix == s else c[:, :, :, :prefix]
+  old_valid_BxP = cache["mask"][:, :window] & (jnp.arange(window) < index)[None]
+  # A split cache (`split_cache`, always cut to its window) is passed whole.
+  used = lambda c: c if window == s else c[:, :, :, :window]
   out, (k_LxBxKxTxH, v_LxBxKxTxH) = Transformer(config).apply(
       params, tokens_BxT, positions_BxT, valid_BxT, (used(cache["k"]), used(cache["v"])),
       old_valid_BxP, head=head)

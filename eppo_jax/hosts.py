@@ -1,20 +1,20 @@
-"""Hosts and `jax.pmap` layouts: start `jax.distributed`, gather across hosts, synchronise.
+"""Hosts: start `jax.distributed`, move values between hosts and devices, agree across hosts.
 
-The trainer runs `jax.jit` over a device mesh (`eppo_jax.mesh`). The pmap helpers below
-(`shard`, `replicate`, ...) lay out `[local_devices, per_device, ...]` batches for code that runs
-the pure functions per device under `jax.pmap(axis_name=AXIS)` (benchmarks, tests).
+`eppo_jax.mesh` says where arrays live (layout rules); this module moves them there and back and
+holds every host-level agreement (gathers, maxima, barriers). On one process each function is a
+plain device transfer or a no-op, so single-host code calls them unconditionally.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import logging
+from jax.sharding import Mesh, PartitionSpec as P
 
-AXIS = "data"
+from eppo_jax.mesh import BATCH, batch_sharding, batch_shards
 
 # Variables that tell a multi-host launcher started this process (TPU pods set their own metadata,
 # which `jax.distributed.initialize()` reads without arguments).
@@ -42,54 +42,48 @@ def initialize(cfg) -> None:
       jax.process_count(), jax.local_device_count(), jax.device_count())
 
 
-def host_share(global_count: int, what: str) -> int:
-  """This host's share of a global count, which must split evenly over hosts and devices."""
-  if global_count % jax.device_count():
-    raise ValueError(f"{what}={global_count} is not divisible by the {jax.device_count()} devices")
-  return global_count // jax.process_count()
-
-
-def shard(tree):
-  """Host arrays [N, ...] -> [local_devices, N / local_devices, ...]."""
-  n = jax.local_device_count()
-
-  def split(x):
+def put(tree, sharding_tree):
+  """Places host values that every process holds in full (params, state) onto their shardings."""
+  def place(x, sharding):
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+      return x  # Already in place (weights loaded straight into their shardings).
     x = np.asarray(x)
-    if x.shape[0] % n:
-      raise ValueError(f"batch of {x.shape[0]} does not split over {n} local devices")
-    return x.reshape((n, x.shape[0] // n) + x.shape[1:])
-
-  return jax.tree_util.tree_map(split, tree)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+  return jax.tree_util.tree_map(place, tree, sharding_tree)
 
 
-def unshard(tree):
-  """[local_devices, per_device, ...] -> [N, ...] on the host."""
-  return jax.tree_util.tree_map(lambda x: np.asarray(x).reshape((-1,) + x.shape[2:]), tree)
+def put_rows(tree, mesh: Mesh):
+  """This host's rows [n, ...] of a batch -> global arrays split over data x fsdp."""
+  sharding = batch_sharding(mesh)
+  local = batch_shards(mesh) // jax.process_count()
+
+  def place(x):
+    x = np.asarray(x)
+    if x.shape[0] % max(local, 1):
+      raise ValueError(f"{x.shape[0]} rows on this host do not split over its {local} batch shards")
+    return jax.make_array_from_process_local_data(sharding, x)
+  return jax.tree_util.tree_map(place, tree)
 
 
-def replicate(tree):
-  """One copy of every leaf on each local device, as a [local_devices, ...] array for pmap."""
-  devices = jax.local_devices()
-  sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), (AXIS,)),
-                                        jax.sharding.PartitionSpec(AXIS))
-
-  def copies(x):
-    x = jnp.asarray(x)
-    return jax.make_array_from_single_device_arrays(
-        (len(devices),) + x.shape, sharding, [jax.device_put(x[None], d) for d in devices])
-
-  return jax.tree_util.tree_map(copies, tree)
+def local_rows(tree, mesh: Mesh):
+  """Global batch arrays -> this host's rows as NumPy (the inverse of `put_rows`)."""
+  if jax.process_count() == 1:
+    return jax.tree_util.tree_map(np.asarray, jax.device_get(tree))
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  local = multihost_utils.global_array_to_host_local_array(tree, mesh, P(BATCH))
+  return jax.tree_util.tree_map(np.asarray, local)
 
 
-def unreplicate(tree):
-  """The copy on the first local device (replicas are identical by construction)."""
-
-  def first(x):
-    if isinstance(x, jax.Array) and len(x.addressable_shards) > 1:
-      return x.addressable_shards[0].data[0]  # No cross-device gather.
-    return x[0]
-
-  return jax.tree_util.tree_map(first, tree)
+def fetch(tree):
+  """Global arrays -> full NumPy values on every host (gathers sharded leaves across hosts)."""
+  def get(x):
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+      return np.asarray(jax.device_get(x))
+    if x.is_fully_replicated:
+      return np.asarray(x.addressable_data(0))
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return jax.tree_util.tree_map(get, tree)
 
 
 def gather_hosts(tree):
