@@ -106,6 +106,10 @@ SYSTEM_PROMPTS = ("instructions", "task_name")
 class ChatFormat:
   """Token pieces of a conversation, rendered by the tokenizer's own chat template.
 
+  The template renders only the pieces around each new message; a finished conversation is never
+  re-rendered, because some templates rewrite earlier turns (Qwen3's drops their <think> blocks),
+  and the update must train on the tokens that were sampled.
+
   `system_prompt` is "instructions" (the task's full rules and action format: what a pretrained
   model needs) or "task_name" (one line naming the task: a small model trained from scratch cannot
   read rules and learns the format from demonstrations, so long instructions would only multiply
