@@ -57,9 +57,11 @@ def _relative(x_N: np.ndarray, keys_NxK: np.ndarray, normalize: bool, eps: float
   hi_G, lo_G = np.full(len(n_G), -np.inf), np.full(len(n_G), np.inf)
   np.maximum.at(hi_G, g_N, x_N)
   np.minimum.at(lo_G, g_N, x_N)
-  adv_N = dev_N / (std_G[g_N] + eps) if normalize else dev_N
-  degenerate_G = (n_G < 2) | (hi_G == lo_G)
-  return np.where(degenerate_G[g_N], 0.0, adv_N)
+  # A lone entry is all-equal too; such groups are masked, so their 0 / 0 is never read.
+  degenerate_N = (hi_G == lo_G)[g_N]
+  with np.errstate(invalid="ignore", divide="ignore"):
+    adv_N = dev_N / (std_G[g_N] + eps) if normalize else dev_N
+  return np.where(degenerate_N, 0.0, adv_N)
 
 
 def episode_advantages(rewards_B: np.ndarray, group_ids_B: np.ndarray, *, normalize: bool = True,
