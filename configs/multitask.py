@@ -46,11 +46,18 @@ def base_config() -> ml_collections.ConfigDict:
   c.seed = 0
   c.method = "eppo"  # eppo | grpo | dapo | clip_cov | kl_cov
   # Group-relative advantages: "grpo" ((R - mean) / (std + eps), unbiased std), "drgrpo" (R - mean,
-  # no std: Dr. GRPO) or "rloo" (leave-one-out baseline).
+  # no std: Dr. GRPO), "rloo" (leave-one-out baseline) or "gigpo" (GRPO's episode advantage plus a
+  # step-level one among the turns that answer the same observation; docs/eppo.md, GiGPO).
   c.advantage_estimator = "grpo"
   # Divide by the std of the task's rewards (all its groups in the batch) instead of the group's:
   # comparable advantage scales across tasks whose rewards differ in scale. "grpo" only.
   c.per_task_std = False
+  # GiGPO (advantage_estimator="gigpo"; eppo_jax/gigpo.py), the paper's defaults.
+  c.gigpo = ml_collections.ConfigDict()
+  c.gigpo.gamma = 0.95  # Discount of the per-turn return R_t = sum_k gamma^(k-t) r_k, in (0, 1].
+  c.gigpo.omega = 1.0  # Weight of the step-level advantage: A = A^E + omega * A^S; 0 = GRPO.
+  # Divide a step group's deviations by its std (+ eps), as GRPO does; False: F_norm = 1.
+  c.gigpo.step_normalize = True
 
   c.model = ml_collections.ConfigDict()
   c.model.source = "tiny"  # "tiny" builds the embedded model; else an HF directory or hub id.

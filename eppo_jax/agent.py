@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 import time
 from typing import Callable, Optional, Sequence
@@ -64,6 +65,12 @@ class EpisodeBatch:
   invalid_actions: np.ndarray  # [B] int32
   failed: np.ndarray  # [B] bool: the environment raised or timed out
   truncated: np.ndarray  # [B] bool: cut by the turn or token budget
+  # Per-turn records for step-level credit (eppo_jax.gigpo); None where a producer has none.
+  # `gather_hosts` pads a narrower host's T axis with 0, not -1: read turn_ids with loss_mask.
+  turn_ids: Optional[np.ndarray] = None  # [B,T] int32: turn of each loss token, -1 elsewhere
+  step_rewards: Optional[np.ndarray] = None  # [B,max_turns] float32: reward of each turn, else 0
+  # [B,max_turns] int64: `observation_hash` of the text shown before each turn, -1 past the end.
+  step_states: Optional[np.ndarray] = None
 
   @property
   def num_tokens(self) -> np.ndarray:
@@ -86,6 +93,12 @@ def training_rewards(episodes: EpisodeBatch) -> np.ndarray:
   healthy_per_group = np.bincount(index, weights=healthy, minlength=len(groups))
   keep = healthy & (healthy_per_group[index] >= 2)
   return np.where(keep, episodes.rewards, np.nan).astype(np.float32)
+
+
+def observation_hash(text: str) -> int:
+  """A 63-bit digest of an observation, the same in every process and run (unlike `hash`)."""
+  digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
+  return int.from_bytes(digest, "little") >> 1  # >= 0, so -1 can mark "no turn".
 
 
 Policy = Callable[[np.ndarray, np.ndarray, object, np.ndarray], tuple]
@@ -228,6 +241,10 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
   conv = [[] for _ in range(n)]  # Token ids of each conversation, in order.
   conv_mask = [[] for _ in range(n)]  # True on generated tokens.
   conv_scores = [[] for _ in range(n)]  # (logprob, entropy) of each token (0, 0 off the replies).
+  conv_turn = [[] for _ in range(n)]  # Turn index of each generated token, -1 elsewhere.
+  shown = [-1] * n  # observation_hash of the observation the next turn answers.
+  step_rewards = np.zeros((n, max_turns), np.float32)
+  step_states = np.full((n, max_turns), -1, np.int64)
   pending = []  # Tokens each conversation still has to show the policy.
   rewards, turns, invalid = np.zeros(n, np.float32), np.zeros(n, np.int32), np.zeros(n, np.int32)
   success, failed, truncated = np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool)
@@ -239,6 +256,7 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
       failed[b], active[b] = True, False
     else:
       pending.append(chat.prompt(systems[episodes[b][1].spec], observation))
+      shown[b] = observation_hash(observation)
 
   state, slots = None, 0
   for _ in range(max_turns):
@@ -263,6 +281,8 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
       conv[b] += pending[b] + generated
       conv_mask[b] += [False] * len(pending[b]) + [True] * len(generated)
       conv_scores[b] += [(0.0, 0.0)] * len(pending[b]) + list(zip(*scores[:, b][:, reply_mask[b]]))
+      conv_turn[b] += [-1] * len(pending[b]) + [int(turns[b])] * len(generated)
+      step_states[b, turns[b]] = shown[b]
       actions.append(parse_action(chat.tokenizer.decode(generated, skip_special_tokens=True)))
       turns[b] += 1
     results = stepper.call(pool.step, actions, stepping)
@@ -271,6 +291,7 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
         failed[b], active[b] = True, False
         continue
       rewards[b] += reward
+      step_rewards[b, turns[b] - 1] = reward
       invalid[b] += int(info.get("invalid_action", False))
       success[b] = bool(info.get("won", False))
       truncated[b] = bool(info.get("truncated", False))
@@ -279,6 +300,7 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
         active[b] = False
       else:
         pending[b] = chat.next_turn(observation, stopped)
+        shown[b] = observation_hash(observation)
   truncated |= active  # Still playing after max_turns.
   pool.close()
 
@@ -286,8 +308,10 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
   tokens = np.full((n, width), pad_id, np.int32)
   attention, loss = np.zeros((n, width), bool), np.zeros((n, width), bool)
   sampled = np.zeros((2, n, width), np.float32)
+  turn_ids = np.full((n, width), -1, np.int32)
   for b in range(n):
     tokens[b, :len(conv[b])] = conv[b]
+    turn_ids[b, :len(conv[b])] = conv_turn[b]
     attention[b, :len(conv[b])] = True
     loss[b, :len(conv[b])] = conv_mask[b]
     if conv[b]:
@@ -298,7 +322,8 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
       task_ids=np.array([inst.task_id for _, inst in episodes], np.int32),
       group_ids=np.array([g for g, _ in episodes], np.int32),
       rewards=rewards, success=success, turns=turns, invalid_actions=invalid, failed=failed,
-      truncated=truncated & ~success)
+      truncated=truncated & ~success, turn_ids=turn_ids, step_rewards=step_rewards,
+      step_states=step_states)
 
 
 class ScriptedPolicy:

@@ -77,10 +77,13 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.checkpoint_keep": (_at_least(1), ">= 1"),
     "train.max_bad_steps": (_at_least(1), ">= 1"),
     "distributed.num_processes": (_at_least(0), ">= 0"),
+    "gigpo.gamma": (lambda x: 0 < x <= 1, "in (0, 1]"),
+    "gigpo.omega": (_at_least(0), ">= 0"),
 }
 CHOICES: dict[str, tuple] = {
     "method": objective.METHODS,
-    "advantage_estimator": tuple(objective.ADVANTAGE_ESTIMATORS),
+    # "gigpo" is computed on the host (eppo_jax.gigpo), not in objective's registry.
+    "advantage_estimator": tuple(objective.ADVANTAGE_ESTIMATORS) + ("gigpo",),
     "optim.old_logprobs": steps.OLD_LOGPROBS,
     "model.dtype": DTYPES,
     "model.param_dtype": DTYPES,
@@ -187,8 +190,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"config.rollout.max_episode_tokens={r.max_episode_tokens} leaves no room "
                       f"for a prompt next to max_new_tokens={r.max_new_tokens}")
   if config.per_task_std and config.advantage_estimator != "grpo":
-    raise _fail("per_task_std", config.per_task_std, "only changes advantage_estimator='grpo' (the "
-                f"others do not divide by a std); got {config.advantage_estimator!r}")
+    raise _fail("per_task_std", config.per_task_std, "only changes advantage_estimator='grpo' "
+                "(drgrpo and rloo do not divide by a std, gigpo keeps its statistics within a "
+                f"group); got {config.advantage_estimator!r}")
+  if not isinstance(config.gigpo.step_normalize, bool):
+    raise _fail("gigpo.step_normalize", config.gigpo.step_normalize, "must be True or False")
   if config.train.wandb_project and importlib.util.find_spec("wandb") is None:
     raise ConfigError("config.train.wandb_project is set but wandb is not installed: "
                       "pip install 'eppo_jax[wandb]'")
