@@ -176,7 +176,7 @@ class Checkpointer:
       aside = self.directory.parent / (self.directory.name + ".unreadable")
       aside.mkdir(parents=True, exist_ok=True)
       # A file, so that the folder exists on an object store too (a rename needs its target's).
-      (aside / "README.txt").write_text("Checkpoints that did not read back, kept for inspection.\n")
+      (aside / "README.txt").write_text("Checkpoints that did not read back, kept to inspect.\n")
       for step in steps:
         target = aside / str(step)
         if target.exists():

@@ -74,7 +74,7 @@ def as_path(workdir) -> epath.Path:
   """`workdir` (a local path, or a URL such as gs://bucket/run) as an `etils.epath.Path`.
 
   Raises `WorkdirUnusable` in one line for a URL whose packages are not installed, before anything
-  is read or written (on a pod, `pathlib` would turn the URL into a local `gs:/...` folder per host).
+  is read or written (`pathlib` would turn the URL into a local `gs:/...` folder on each host).
   """
   scheme = url_scheme(workdir)
   if scheme is not None:

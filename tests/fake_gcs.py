@@ -27,7 +27,8 @@ _fsspec_registry = importlib.import_module("fsspec.registry")
 
 def _clear_epath_cache() -> None:
   # epath keeps one filesystem per protocol; drop it so the next URL finds the current one.
-  type(epath_backend.fsspec_backend)._get_filesystem.cache_clear()  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  type(epath_backend.fsspec_backend)._get_filesystem.cache_clear()
 
 
 @contextlib.contextmanager

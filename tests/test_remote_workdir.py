@@ -1,4 +1,5 @@
-"""A workdir at a URL (gs://BUCKET/run): every file lands in the bucket, none in a local `gs:` folder.
+"""A workdir at a URL (gs://BUCKET/run): every file lands in the bucket, none in a local `gs:`
+folder.
 
 The bucket is a local directory (`fake_gcs.served_from`), reached through the same epath and orbax
 code paths as GCS.
@@ -123,14 +124,15 @@ def test_claim_records_the_run_at_a_url_and_refuses_another(gcs, tmp_path):
 def test_the_tiny_model_of_a_url_workdir_is_built_in_this_hosts_cache(gcs, tmp_path, monkeypatch):
   del gcs
   monkeypatch.setenv("HOME", str(tmp_path / "home"))
-  assert workdir.tiny_model_dir(URL) == workdir.as_path(
-      tmp_path / "home" / ".cache" / "eppo_jax" / "workdirs" / "gs" / "bucket" / "run" / "tiny_model")
-  assert workdir.tiny_model_dir(tmp_path / "run") == workdir.as_path(tmp_path / "run" / "tiny_model")
+  cache = tmp_path / "home" / ".cache" / "eppo_jax" / "workdirs" / "gs"
+  local = workdir.as_path(tmp_path / "run" / "tiny_model")
+  assert workdir.tiny_model_dir(URL) == workdir.as_path(cache / "bucket" / "run" / "tiny_model")
+  assert workdir.tiny_model_dir(tmp_path / "run") == local
   monkeypatch.setattr(jax, "process_count", lambda: 2)  # No local directory all hosts see.
   with pytest.raises(workdir.WorkdirUnusable, match="config.model.tiny_dir") as error:
     workdir.tiny_model_dir(URL)
   assert "\n" not in str(error.value)
-  assert workdir.tiny_model_dir(tmp_path / "run") == workdir.as_path(tmp_path / "run" / "tiny_model")
+  assert workdir.tiny_model_dir(tmp_path / "run") == local
 
 
 def test_url_without_its_packages_fails_in_one_line_before_writing(gcs, tmp_path, monkeypatch):
@@ -205,7 +207,8 @@ _HOST = textwrap.dedent("""
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
     def state(step):
-      a = jax.make_array_from_callback((8,), sharding, lambda i: np.arange(8.0, dtype=np.float32)[i] * step)
+      a = jax.make_array_from_callback((8,), sharding,
+                                       lambda i: np.arange(8.0, dtype=np.float32)[i] * step)
       return {{"a": a, "b": np.full(3, step, np.int32)}}
     like = {{"a": jax.ShapeDtypeStruct((8,), np.float32, sharding=sharding),
              "b": np.zeros(3, np.int32)}}

@@ -1,4 +1,4 @@
-"""Runs a script as the 2 processes of one `jax.distributed` job on localhost, for multi-host tests."""
+"""Runs a script as the 2 processes of one `jax.distributed` job on localhost (multi-host tests)."""
 
 from __future__ import annotations
 
