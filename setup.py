@@ -43,6 +43,9 @@ setup(
         ],
         "textworld": ["textworld>=1.6.0"],
         "wandb": ["wandb>=0.19.0"],
+        # A gs:// workdir: gcsfs for etils.epath (orbax's path type), google-cloud-storage for
+        # orbax's bucket queries.
+        "gcs": ["gcsfs>=2024.6.0", "google-cloud-storage>=2.18.0"],
         # libtpu, for `python -m eppo_jax.fit --topology=v5e:4x4` (compile-only: no TPU needed).
         # Install it in its own environment: it pins jax and jaxlib to the version it matches.
         "fit": ["jax[tpu]"],

@@ -8,27 +8,40 @@ on another (or as NumPy). Host-side state (task-sampler position, metrics histor
 item next to them. Orbax writes each step to a temporary directory and renames it when complete,
 so a kill during a save leaves the previous checkpoint as the latest usable one. A checkpoint
 damaged afterwards (a truncated or deleted file) is reported in one line by `restore_intact`, which
-falls back to the newest one that reads back.
+falls back to the newest one that reads back on every host: all hosts restore the same step.
+
+The directory is local or a URL (gs://bucket/run/checkpoints), reached through `etils.epath`; on
+GCS orbax marks a finished step with a commit file instead of the rename.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import sys
-from pathlib import Path
+import zlib
 from typing import Any, Optional
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from eppo_jax import hosts, workdir as workdir_lib
+
 log = logging.getLogger(__name__)
+
+
+# The barrier that ends every orbax restore (`Checkpointer.restore`); a host whose read failed
+# before it joins it too, so that the hosts whose read worked are not left waiting in it.
+_RESTORE_BARRIER = "Checkpointer:restore"
 
 
 class NoIntactCheckpoint(RuntimeError):
   """Every checkpoint of a directory failed to read."""
+
+
+class HostsDisagree(RuntimeError):
+  """The hosts see different checkpoints: the directory is not one they all share."""
 
 
 def _drop_closed_loop_errors(unraisable) -> None:
@@ -72,7 +85,7 @@ class Checkpointer:
   """Keeps the last `keep` checkpoints under `directory`."""
 
   def __init__(self, directory, keep: int = 2):
-    self.directory = Path(directory).absolute()
+    self.directory = workdir_lib.absolute(directory)
     self.keep = keep
     self._manager = self._new_manager()
 
@@ -111,38 +124,65 @@ class Checkpointer:
     return sorted(self._manager.all_steps())
 
   def restore_intact(self, like: Any) -> tuple[Optional[int], Any, dict]:
-    """(step, state, meta) of the newest checkpoint that reads back; (None, None, {}) if there is
-    none. Each unreadable one is reported in one warning line naming it."""
+    """(step, state, meta) of the newest checkpoint that reads back on every host; (None, None, {})
+    if there is none. Each unreadable one is reported in one warning line naming it.
+
+    Called by all hosts together: a step one host cannot read is passed over by all of them.
+    """
     steps = self.all_steps()
+    self._check_hosts_agree(steps)
     for step in reversed(steps):
+      error = None
       try:
         with _quiet_orbax():
           state, meta = self.restore(like, step)
       except Exception as e:  # Any failure to read means: damaged; the reason goes in the line.
-        reason = (str(e).strip().splitlines() or [""])[0][:200]
-        log.warning("checkpoint %s is unreadable (%s: %s); falling back to an older one",
-                    self.directory / str(step), type(e).__name__, reason)
-        continue
-      if step != steps[-1]:
-        self._set_aside([s for s in steps if s > step])
-      return step, state, meta
+        error = e
+        if jax.process_count() > 1:
+          ocp.multihost.sync_global_processes(_RESTORE_BARRIER)
+      if not hosts.global_max(int(error is not None)):  # It read back on every host.
+        if step != steps[-1]:
+          self._set_aside([s for s in steps if s > step])
+        return step, state, meta
+      if error is None:
+        reason = "it read back here, not on every host"
+      else:
+        reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+      log.warning("checkpoint %s is unreadable (%s); falling back to an older one",
+                  self.directory / str(step), reason)
     if steps:
       raise NoIntactCheckpoint(f"none of the checkpoints {steps} under {self.directory} can be "
                                "read (see the warnings above); move them away to start over")
     return None, None, {}
 
+  def _check_hosts_agree(self, steps: list[int]) -> None:
+    """Raises `HostsDisagree` on every host unless all hosts list the same steps (a workdir on
+    each host's own disk would let each resume its own run)."""
+    # 30 bits: the collective carries int32 (without x64), negated too.
+    digest = zlib.crc32(",".join(map(str, steps)).encode()) & 0x3FFFFFFF
+    if hosts.global_max(digest) != -hosts.global_max(-digest):
+      raise HostsDisagree(f"the hosts see different checkpoints under {self.directory} ({steps} on "
+                          f"host {jax.process_index()}): the workdir must be one directory that "
+                          "all hosts share, such as a gs:// URL")
+
   def _set_aside(self, steps: list[int]) -> None:
     """Moves unreadable checkpoints to `<directory>.unreadable/`, so that new saves after the
-    fallback step are not mistaken for older than them (kept for inspection, not deleted)."""
+    fallback step are not mistaken for older than them (kept for inspection, not deleted).
+
+    Process 0 moves them; every host waits for it before listing the directory again.
+    """
+    self._manager.close()
     if jax.process_index() == 0:
-      aside = self.directory.with_name(self.directory.name + ".unreadable")
-      aside.mkdir(exist_ok=True)
+      aside = self.directory.parent / (self.directory.name + ".unreadable")
+      aside.mkdir(parents=True, exist_ok=True)
+      # A file, so that the folder exists on an object store too (a rename needs its target's).
+      (aside / "README.txt").write_text("Checkpoints that did not read back, kept to inspect.\n")
       for step in steps:
         target = aside / str(step)
         if target.exists():
-          shutil.rmtree(target)
-        shutil.move(str(self.directory / str(step)), str(target))
-    self._manager.close()
+          target.rmtree()
+        (self.directory / str(step)).rename(target)
+    hosts.barrier("checkpoint_set_aside")
     self._manager = self._new_manager()
 
   def close(self) -> None:

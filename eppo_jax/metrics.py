@@ -1,19 +1,26 @@
 """What a run logs: the metrics of a batch of episodes and of one RL step, and where they go (JSONL,
-the source of truth; TensorBoard; optional Weights & Biases; a progress bar; per-task PNG plots)."""
+the source of truth; TensorBoard; optional Weights & Biases; a progress bar; per-task PNG plots).
+
+The workdir may be a URL (gs://bucket/run), written through `etils.epath`. Object stores cannot
+append, so there `metrics.jsonl` and the TensorBoard event file are kept in memory and rewritten
+whole now and then (tensorboardX's own gs:// and s3:// writers do the same for event files).
+"""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
 import time
 import uuid
-from pathlib import Path
 from typing import Optional
 
+from etils import epath
 import numpy as np
 
 from eppo_jax import agent
+from eppo_jax import workdir as workdir_lib
 
 # Per-task series drawn in `plots.png`, one panel each.
 PLOTTED = (("entropy", "token entropy (nats)"), ("eps_low", "clip bound ε_low"),
@@ -33,6 +40,59 @@ def chart_name(key: str) -> str:
 def _scalar(value):
   value = float(np.asarray(value))
   return value if math.isfinite(value) else None  # JSON has no NaN; None keeps the key visible.
+
+
+class _RewrittenFile:
+  """A file at a URL written whole from memory: at the first flush, at most every `every_s`
+  seconds after, and on close (a crash loses at most the last `every_s` seconds)."""
+
+  def __init__(self, path: epath.Path, binary: bool = False, every_s: float = 60.0):
+    self._path = path
+    self._buffer = io.BytesIO() if binary else io.StringIO()
+    self._every_s = every_s
+    self._last = -math.inf
+    self._size = -1  # What the stored copy holds; -1 before the first write.
+
+  def write(self, data) -> None:
+    self._buffer.write(data)
+
+  def flush(self) -> None:
+    if time.monotonic() - self._last >= self._every_s:
+      self.close()
+
+  def close(self) -> None:
+    if self._buffer.tell() == self._size:
+      return  # Nothing new since the last write.
+    data = self._buffer.getvalue()
+    self._size = self._buffer.tell()
+    if isinstance(data, bytes):
+      self._path.write_bytes(data)
+    else:
+      self._path.write_text(data)
+    self._last = time.monotonic()
+
+
+class _EventFilesAtUrls:
+  """A tensorboardX writer factory for URL log directories, through epath; tensorboardX flushes
+  the event file every `flush_secs` (120 s) and on close."""
+
+  def open(self, path: str) -> _RewrittenFile:
+    return _RewrittenFile(epath.Path(path), binary=True, every_s=0.0)
+
+  def directory_check(self, path: str) -> None:
+    epath.Path(path).mkdir(parents=True, exist_ok=True)
+
+
+def _summary_writer(logdir: epath.Path):
+  """A tensorboardX SummaryWriter; for a URL its event file goes through epath like every other
+  file of the workdir (tensorboardX's own writers know gs:// and s3:// only, each through a
+  client of its own)."""
+  # pylint: disable-next=g-import-not-at-top
+  from tensorboardX import SummaryWriter, record_writer
+  scheme = workdir_lib.url_scheme(logdir)
+  if scheme is not None:
+    record_writer.register_writer_factory(scheme, _EventFilesAtUrls())
+  return SummaryWriter(str(logdir))
 
 
 def flatten(step: int, scalars: dict, per_task: dict, task_names) -> dict:
@@ -119,7 +179,7 @@ class MetricsLogger:
   def __init__(self, workdir, task_names, total_steps: int, *, tensorboard: bool = True,
                plots: bool = True, write: bool = True, history: Optional[list] = None,
                wandb_project: str = "", wandb_config: Optional[dict] = None):
-    self.workdir = Path(workdir)
+    self.workdir = workdir_lib.as_path(workdir)
     self.task_names = list(task_names)
     self.history = list(history or [])
     self._plots = plots and write
@@ -131,12 +191,13 @@ class MetricsLogger:
     if write:
       self.workdir.mkdir(parents=True, exist_ok=True)
       # Rewritten from the given history: a resumed run drops records past its checkpoint.
-      self._jsonl = open(self.workdir / "metrics.jsonl", "w", encoding="utf-8")
+      jsonl = self.workdir / "metrics.jsonl"
+      self._jsonl = (_RewrittenFile(jsonl) if workdir_lib.url_scheme(jsonl)
+                     else open(jsonl, "w", encoding="utf-8"))
       for record in self.history:
         self._jsonl.write(json.dumps(record) + "\n")
       if tensorboard:
-        from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-        self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
+        self._tb = _summary_writer(self.workdir / "tensorboard")
     self._wandb = _wandb_run(self.workdir, wandb_project, wandb_config) if (
         write and wandb_project) else None
 
@@ -183,7 +244,7 @@ class MetricsLogger:
     points = [(r["step"], r[key]) for r in self.history if r.get(key) is not None]
     return tuple(np.array(v) for v in zip(*points)) if points else (np.array([]), np.array([]))
 
-  def plot(self) -> Optional[Path]:
+  def plot(self) -> Optional[epath.Path]:
     """Per-task curves of entropy, bounds and success -> `plots.png` in the workdir."""
     if not self._plots or not self.history:
       return None
@@ -206,7 +267,9 @@ class MetricsLogger:
       axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
     path = self.workdir / "plots.png"
-    fig.savefig(path, dpi=90)
+    png = io.BytesIO()  # savefig writes local files only; the bytes go through epath.
+    fig.savefig(png, format="png", dpi=90)
+    path.write_bytes(png.getvalue())
     return path
 
   def close(self) -> None:
@@ -220,18 +283,19 @@ class MetricsLogger:
         self._wandb.finish()
 
 
-def _wandb_run(workdir: Path, project: str, config: Optional[dict]):
+def _wandb_run(workdir: epath.Path, project: str, config: Optional[dict]):
   """A W&B run for this workdir: a rerun that resumes the workdir continues the same W&B run.
 
   Records carry their own "step" (negative during SFT), used as every chart's x-axis; W&B's own
-  step only counts calls. `WANDB_MODE=offline` keeps everything local (`wandb sync` later).
+  step only counts calls. `WANDB_MODE=offline` keeps everything local (`wandb sync` later); W&B's
+  files go in the workdir, or in its default ./wandb for a URL workdir (it writes locally only).
   """
   import wandb  # pylint: disable=g-import-not-at-top
   id_file = workdir / "wandb_run_id"
   run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
   id_file.write_text(run_id)
   run = wandb.init(project=project, name=workdir.name, id=run_id, resume="allow",
-                   dir=str(workdir), config=config)
+                   dir=None if workdir_lib.url_scheme(workdir) else str(workdir), config=config)
   run.define_metric("step")
   run.define_metric("*", step_metric="step")
   return run

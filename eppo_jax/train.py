@@ -90,7 +90,7 @@ def load_model(config, workdir: Path, mesh: Optional[jax.sharding.Mesh] = None):
                          intermediate_size=m.tiny_intermediate_size, num_layers=m.tiny_num_layers,
                          num_heads=m.tiny_num_heads, num_kv_heads=m.tiny_num_kv_heads,
                          seed=config.seed)
-    directory = Path(m.tiny_dir or workdir / "tiny_model")
+    directory = Path(m.tiny_dir or workdir_lib.tiny_model_dir(workdir))
     if jax.process_index() == 0:  # One writer; the other hosts read it after the barrier.
       tiny.build_tiny_model(directory, tokenizer_corpus(config.tasks.specs,
                                                         stepper=make_stepper(config)), spec)
@@ -430,7 +430,7 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
   workdir_lib.claim(config, workdir, write=jax.process_index() == 0)
   use_compilation_cache(config.train.compilation_cache)
   with interrupt.StopRequest() as signals:
-    trainer = Trainer(config, Path(workdir), signals)
+    trainer = Trainer(config, workdir_lib.as_path(workdir), signals)
     try:
       return trainer.run()
     finally:

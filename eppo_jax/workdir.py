@@ -6,18 +6,23 @@ with the same config resumes; a rerun whose config differs only in fields of `SA
 long to train, how often to log or save, how environments are stepped, how the same model is laid
 out and computed: mesh, remat, attention kernel) resumes with the new values; any other change is
 refused with the changed fields listed, unless `config.train.allow_config_change` is True.
+
+A workdir is a local path or a URL (gs://bucket/run): every module reaches it through `as_path`, an
+`etils.epath.Path` (orbax's own path type), so all hosts of a pod share one workdir on GCS.
 """
 
 from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import importlib.util
 import json
+import os
 import platform
 import sys
-from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+from etils import epath
 import jax
 import ml_collections
 
@@ -38,8 +43,86 @@ PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "transformers"
             "ml_collections")
 
 
+# Packages a URL workdir needs besides etils.epath: the fsspec filesystem epath reaches it with and,
+# for gs://, the GCS client orbax lists checkpoints with. The `gcs` extra installs both.
+URL_PACKAGES = {"gs": ("gcsfs", "google.cloud.storage")}
+URL_EXTRAS = {"gs": "gcs"}
+
+
 class WorkdirConflict(ValueError):
   """The workdir holds a run with another config."""
+
+
+class WorkdirUnusable(ValueError):
+  """The workdir is a URL that this installation cannot reach."""
+
+
+def url_scheme(path) -> Optional[str]:
+  """"gs" of "gs://bucket/run"; None of a local path."""
+  scheme, sep, _ = os.fspath(path).partition("://")
+  return scheme if sep else None
+
+
+def _importable(module: str) -> bool:
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:  # A parent package ("google" of "google.cloud.storage") is missing.
+    return False
+
+
+def as_path(workdir) -> epath.Path:
+  """`workdir` (a local path, or a URL such as gs://bucket/run) as an `etils.epath.Path`.
+
+  Raises `WorkdirUnusable` in one line for a URL whose packages are not installed, before anything
+  is read or written (`pathlib` would turn the URL into a local `gs:/...` folder on each host).
+  """
+  scheme = url_scheme(workdir)
+  if scheme is not None:
+    missing = [m for m in URL_PACKAGES.get(scheme, ()) if not _importable(m)]
+    if missing:
+      extra = URL_EXTRAS.get(scheme)
+      hint = f"pip install 'eppo_jax[{extra}]'" if extra else "pip install " + " ".join(missing)
+      raise WorkdirUnusable(f"workdir {workdir} needs {', '.join(missing)}, not installed: {hint}")
+  try:
+    return epath.Path(workdir)
+  except KeyError:  # epath knows no class for this URL scheme.
+    raise WorkdirUnusable(f"workdir {workdir}: epath reaches local paths and gs://, s3://, az://, "
+                          f"hf:// URLs, not {scheme}://") from None
+
+
+def absolute(path) -> epath.Path:
+  """`as_path(path)`, a relative local path joined to the current directory (as
+  `pathlib.Path.absolute` does: no `..` resolved); a URL as it is."""
+  path = as_path(path)
+  if url_scheme(path) is None and not path.is_absolute():
+    return epath.Path(os.getcwd()) / path
+  return path
+
+
+def tiny_model_dir(workdir) -> epath.Path:
+  """Where the tiny model is built (a local directory: `transformers` reads it back):
+  `workdir/tiny_model` for a local workdir; for a URL, a directory of this host's cache named after
+  it. A URL workdir on several hosts has no local directory that all of them see: refused in one
+  line (`config.model.tiny_dir` then names a shared one)."""
+  path = as_path(workdir)
+  scheme = url_scheme(path)
+  if scheme is None:
+    return path / "tiny_model"
+  if jax.process_count() > 1:
+    raise WorkdirUnusable(f"the tiny model of workdir {workdir} is built on a local disk, which "
+                          f"the {jax.process_count()} hosts do not share: set "
+                          "config.model.tiny_dir to a directory that all of them see")
+  cache = os.path.join(os.path.expanduser("~"), ".cache", "eppo_jax", "workdirs")
+  return epath.Path(cache, scheme, os.fspath(path).split("://", 1)[1].strip("/"), "tiny_model")
+
+
+def write_atomic(path, text: str) -> None:
+  """Writes `text` to `path` (local or URL) through a temporary file and a rename: never a
+  half-written file, whenever the process dies."""
+  path = as_path(path)
+  tmp = path.with_suffix(".tmp")
+  tmp.write_text(text)
+  tmp.replace(path)  # On GCS a server-side copy: the object appears whole or not at all.
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -101,7 +184,7 @@ def claim(config: ml_collections.ConfigDict, workdir, write: bool = True) -> dic
   Returns the changed fields ({} for a fresh workdir or an identical config). Raises
   `WorkdirConflict` before writing anything if a change is not allowed.
   """
-  workdir = Path(workdir)
+  workdir = as_path(workdir)
   new = json.loads(config.to_json())
   path = workdir / CONFIG_FILE
   changes = {}
@@ -128,7 +211,5 @@ def claim(config: ml_collections.ConfigDict, workdir, write: bool = True) -> dic
   return changes
 
 
-def _write(path: Path, obj: Any) -> None:
-  tmp = path.with_suffix(".tmp")
-  tmp.write_text(json.dumps(obj, indent=1, sort_keys=True, default=str))
-  tmp.replace(path)  # Never a half-written record, whenever the process dies.
+def _write(path: epath.Path, obj: Any) -> None:
+  write_atomic(path, json.dumps(obj, indent=1, sort_keys=True, default=str))

@@ -21,6 +21,7 @@ from safetensors.numpy import save_file
 from eppo_jax import lora
 from eppo_jax import hosts
 from eppo_jax import mesh as meshlib
+from eppo_jax import workdir as workdir_lib
 from eppo_jax.models.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -353,13 +354,9 @@ def _shard_plan(params: dict, config: ModelConfig,
   return shards
 
 
-def _is_remote(path: epath.Path) -> bool:
-  return "://" in str(path)
-
-
 def _save_safetensors(tensors: dict[str, np.ndarray], dst: epath.Path) -> None:
   """`save_file` to a local file, or to a temporary one copied to a remote `dst`."""
-  if not _is_remote(dst):
+  if workdir_lib.url_scheme(dst) is None:
     save_file(tensors, os.fspath(dst), metadata={"format": "pt"})
     return
   with tempfile.TemporaryDirectory() as tmp:
@@ -369,7 +366,7 @@ def _save_safetensors(tensors: dict[str, np.ndarray], dst: epath.Path) -> None:
 
 
 def _save_tokenizer(tokenizer, out_dir: epath.Path) -> None:
-  if not _is_remote(out_dir):
+  if workdir_lib.url_scheme(out_dir) is None:
     tokenizer.save_pretrained(os.fspath(out_dir))
     return
   with tempfile.TemporaryDirectory() as tmp:
