@@ -185,6 +185,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.distributed.coordinator_address = ""
   c.distributed.num_processes = 0
   c.distributed.process_id = -1
+  # A host whose heartbeats stop this long (killed, crashed, frozen) ends every host (the
+  # coordination service's check; jax's default is 100 s). An exception on one host ends it at
+  # once, and so the others within this time (docs/scaling.md, "Pods").
+  c.distributed.heartbeat_timeout_s = 30
   return c
 
 

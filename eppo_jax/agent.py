@@ -7,12 +7,14 @@ saw is recorded token for token, and only the tokens it generated carry loss.
 
 A `Policy` is any callable that continues a batch of conversations by one assistant turn:
 
-    policy(chunk_BxC, chunk_mask_BxC, state, active_B) -> (reply_BxN, reply_mask_BxN, state)
-                                                        or (reply_BxN, reply_mask_BxN, state, scores)
+    policy(chunk_BxC, chunk_mask_BxC, state, active_B, agreed) -> (reply_BxN, reply_mask_BxN, state)
+                                                    or (reply_BxN, reply_mask_BxN, state, scores)
 
 `chunk` holds the new tokens of each conversation (left-padded, mask False on pads and on
 inactive rows), `reply_mask` marks the generated tokens up to and including the stop token, and
 `state` is whatever the policy carries between turns (the KV cache); it is None on the first turn.
+`agreed` holds the numbers every host agreed on before the turn (`Agreed`): a policy that runs one
+program over several hosts sizes it from them, never from its own host's rows.
 A sampling policy also returns `scores = (logprobs_BxN, entropies_BxN)`, its own numbers for each
 reply token, which the episode records (the trainer's `old_logprobs="sampler"` option reads them).
 """
@@ -28,6 +30,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from eppo_jax import hosts
 from eppo_jax.envs import registry
 from eppo_jax.envs.base import format_action, parse_action
 from eppo_jax.envs.pool import EnvPool
@@ -101,7 +104,16 @@ def observation_hash(text: str) -> int:
   return int.from_bytes(digest, "little") >> 1  # >= 0, so -1 can mark "no turn".
 
 
-Policy = Callable[[np.ndarray, np.ndarray, object, np.ndarray], tuple]
+@dataclasses.dataclass(frozen=True)
+class Agreed:
+  """What every host agreed on before a turn (`collect_episodes` takes one collective a turn): the
+  same numbers on every host. The chunk width is agreed too: every host's chunk has that width."""
+
+  rows: int  # The most episodes any host plays.
+  live: int  # The most episodes any host still has playing.
+
+
+Policy = Callable[[np.ndarray, np.ndarray, object, np.ndarray, Agreed], tuple]
 
 
 def round_up(n: int, multiple: int = 32) -> int:
@@ -228,6 +240,14 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
 
   `max_slots` is the policy's KV-cache size: every turn writes a chunk and a reply of the batch's
   common (bucketed) width, and episodes are cut (truncated) before the cache would overflow.
+
+  On several hosts every host calls this together with its own instances: the policy's turn is one
+  program over all of them. So each decision that changes which program runs or its shapes is
+  taken from numbers agreed by all hosts, one small collective at the top of each turn (the most
+  episodes, live episodes and chunk tokens on any host): whether another turn runs, the chunk
+  width, whether the turn fits the cache (else every host's live episodes are truncated), and the
+  policy's batch sizes (`Agreed`). A host whose episodes have all ended plays empty rows until
+  every host's have.
   """
   stepper = stepper or EnvStepper()
   episodes = [(i, inst) for i, inst in enumerate(instances) for _ in range(group_size)]
@@ -260,16 +280,19 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
 
   state, slots = None, 0
   for _ in range(max_turns):
-    width = round_up(max((len(p) for p, a in zip(pending, active) if a), default=1),
-                   length_multiple)
+    longest = max((len(p) for p, a in zip(pending, active) if a), default=1)
+    # The turn's one collective: every host decides from the same numbers.
+    rows, live, longest = hosts.global_max([n, int(active.sum()), longest])
+    width = round_up(int(longest), length_multiple)
     if slots + width + max_new_tokens > max_slots:
       truncated |= active  # The next turn would overflow the cache.
       break
-    if not active.any():
+    if not live:
       break
     chunk, chunk_mask = left_pad([p if a else [] for p, a in zip(pending, active)], [width],
                                  pad_id)
-    reply, reply_mask, state, *scores = policy(chunk, chunk_mask, state, active.copy())
+    reply, reply_mask, state, *scores = policy(chunk, chunk_mask, state, active.copy(),
+                                               Agreed(rows=int(rows), live=int(live)))
     reply, reply_mask = np.asarray(reply), np.asarray(reply_mask, bool)
     scores = (np.zeros((2,) + reply.shape, np.float32) if not scores or scores[0] is None
               else np.stack([np.asarray(x, np.float32) for x in scores[0]]))
@@ -285,7 +308,7 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
       step_states[b, turns[b]] = shown[b]
       actions.append(parse_action(chat.tokenizer.decode(generated, skip_special_tokens=True)))
       turns[b] += 1
-    results = stepper.call(pool.step, actions, stepping)
+    results = stepper.call(pool.step, actions, stepping) if len(stepping) else []
     for b, (observation, reward, done, info) in zip(stepping, results):
       if info.get("failed"):
         failed[b], active[b] = True, False
@@ -304,7 +327,7 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
   truncated |= active  # Still playing after max_turns.
   pool.close()
 
-  width = round_up(max(1, max(len(c) for c in conv)), length_multiple)
+  width = round_up(max([1] + [len(c) for c in conv]), length_multiple)
   tokens = np.full((n, width), pad_id, np.int32)
   attention, loss = np.zeros((n, width), bool), np.zeros((n, width), bool)
   sampled = np.zeros((2, n, width), np.float32)
@@ -334,7 +357,8 @@ class ScriptedPolicy:
     self._chat, self._actions, self._width, self._pad = chat, actions, width, pad_id
     self._turn = 0
 
-  def __call__(self, chunk, chunk_mask, state, active):
+  def __call__(self, chunk, chunk_mask, state, active, agreed=None):
+    del agreed  # Replies come from the script: nothing runs on devices.
     rows = []
     for b, acts in enumerate(self._actions):
       if active[b] and self._turn < len(acts):

@@ -77,6 +77,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.checkpoint_keep": (_at_least(1), ">= 1"),
     "train.max_bad_steps": (_at_least(1), ">= 1"),
     "distributed.num_processes": (_at_least(0), ">= 0"),
+    "distributed.heartbeat_timeout_s": (_at_least(1), ">= 1 (seconds)"),
     "gigpo.gamma": (lambda x: 0 < x <= 1, "in (0, 1]"),
     "gigpo.omega": (_at_least(0), ">= 0"),
 }

@@ -1,14 +1,23 @@
-"""Hosts: start `jax.distributed`, move values between hosts and devices, agree across hosts.
+"""Hosts: start `jax.distributed`, move values between hosts and devices, agree across hosts,
+and stop together.
 
 `eppo_jax.mesh` says where arrays live (layout rules); this module moves them there and back and
 holds every host-level agreement (gathers, maxima, barriers). On one process each function is a
 plain device transfer or a no-op, so single-host code calls them unconditionally.
+
+Failures: `jax.distributed`'s coordination service watches every process's heartbeats and ends
+all of them when one stops beating (killed, crashed, frozen) for `heartbeat_timeout_s`. An
+exception on one host would leave the others waiting in their next collective, so
+`stop_together` turns it into the end of that process, which the service then sees.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
+import threading
 
 import jax
 import numpy as np
@@ -32,9 +41,9 @@ def initialize(cfg) -> None:
                                                                   for v in _LAUNCHER_VARS)))
   if not wanted or jax.distributed.is_initialized():
     return
-  kwargs = {}
+  kwargs = dict(heartbeat_timeout_seconds=int(cfg.heartbeat_timeout_s))
   if explicit:
-    kwargs = dict(coordinator_address=cfg.coordinator_address,
+    kwargs.update(coordinator_address=cfg.coordinator_address,
                   num_processes=cfg.num_processes, process_id=cfg.process_id)
   jax.distributed.initialize(**kwargs)
   logging.getLogger(__name__).info(
@@ -112,12 +121,28 @@ def gather_hosts(tree):
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def global_max(value: int) -> int:
-  """The maximum of a host-side integer over all hosts (shapes must agree across hosts)."""
+def global_max(value):
+  """The maximum over all hosts of a host-side integer, or of each entry of an integer vector
+  (one collective either way; shapes must agree across hosts). Values must fit int32."""
+  values = np.asarray(value, np.int64)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    values = np.asarray(multihost_utils.process_allgather(values.astype(np.int32))).max(axis=0)
+  return int(values) if values.ndim == 0 else values.astype(np.int64)
+
+
+def row_positions(rows: int, mesh: Mesh) -> np.ndarray:
+  """The global batch index of each of this host's `rows` rows, where `put_rows` places them.
+
+  `make_array_from_process_local_data` lays a host's rows over the batch slices its devices hold,
+  in the slices' global order; a host's slices need not be contiguous on every mesh.
+  """
   if jax.process_count() == 1:
-    return int(value)
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  return int(np.max(multihost_utils.process_allgather(np.asarray(value))))
+    return np.arange(rows)
+  total, shards = rows * jax.process_count(), batch_shards(mesh)
+  slices = batch_sharding(mesh).addressable_devices_indices_map((total,)).values()
+  starts = sorted({index[0].start or 0 for index in slices})
+  return np.concatenate([np.arange(s, s + total // shards) for s in starts])
 
 
 def barrier(name: str) -> None:
@@ -125,3 +150,81 @@ def barrier(name: str) -> None:
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     multihost_utils.sync_global_devices(name)
+
+
+# ------------------------------------------------------------------------------------------------
+# Stopping together.
+
+_FAILURES = "eppo_jax/failed/"  # Keys of the coordination service's store: host index -> cause.
+_ASK_TIMEOUT_S = 5.0  # How long a failing host asks the service about the others before exiting.
+
+
+@contextlib.contextmanager
+def stop_together(agreed: tuple[type[BaseException], ...] = ()):
+  """Makes an exception on one host of a multi-host run end every host (a no-op on one process).
+
+  An exception that leaves the block, other than the `agreed` ones (those every host raises at
+  the same point, such as a stop that the hosts agreed on), ends this process at once with status
+  1 instead of propagating: it is logged with its traceback, recorded in `jax.distributed`'s
+  key-value store, and one line on stderr, `error: host I of N ...`, names the host and the
+  cause. Nothing else runs on the way out (no `finally`, no `atexit`): a clean exit would wait in
+  the service's shutdown barrier for hosts that wait in a collective for this one. With this
+  process gone, the service ends the other hosts within `distributed.heartbeat_timeout_s`; a
+  host whose own collective fails first (CPU collectives notice a dead peer at once) comes here
+  too, and its line names the host that failed before it, or the host that is gone.
+  """
+  try:
+    yield
+  except agreed:
+    raise
+  except BaseException as error:  # pylint: disable=broad-exception-caught
+    if not jax.distributed.is_initialized() or jax.process_count() == 1:
+      raise
+    _exit_failed(error)
+
+
+def _cause(error: BaseException) -> str:
+  """`Type: first line of the message`, at most 300 characters of it."""
+  text = (str(error).strip().splitlines() or [""])[0][:300]
+  return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _exit_failed(error: BaseException) -> None:
+  """Logs and records `error`, prints the one line, and ends this process (status 1)."""
+  host, count = jax.process_index(), jax.process_count()
+  cause = _cause(error)
+  logging.getLogger(__name__).error("host %d of %d failed", host, count, exc_info=error)
+  found = []
+  # The service may be gone with its host (process 0): ask from a thread, and not for long.
+  asking = threading.Thread(target=_ask_service, args=(host, count, cause, error, found),
+                            daemon=True)
+  asking.start()
+  asking.join(_ASK_TIMEOUT_S)
+  if found:
+    line = f"error: host {host} of {count} stops: {found[0]} (here: {cause})"
+  else:
+    line = f"error: host {host} of {count} failed: {cause}; every host stops"
+  sys.stdout.flush()
+  print(line, file=sys.stderr, flush=True)
+  os._exit(1)  # pylint: disable=protected-access
+
+
+def _ask_service(host: int, count: int, cause: str, error: BaseException, found: list) -> None:
+  """Records this host's cause; appends what explains it better, if anything: another host's
+  recorded failure, or (for a failed collective) the hosts the service no longer sees."""
+  try:
+    from jax._src import distributed  # pylint: disable=g-import-not-at-top
+    client = distributed.global_state.client
+    others = sorted((key.rsplit("/", 1)[-1], value)
+                    for key, value in client.key_value_dir_get(_FAILURES))
+    client.key_value_set(f"{_FAILURES}{host}", cause, allow_overwrite=True)
+    others = [(other, value) for other, value in others if other != str(host)]
+    if others:
+      found.append("; ".join(f"host {other} failed: {value}" for other, value in others))
+    elif isinstance(error, jax.errors.JaxRuntimeError):  # A collective: did a peer vanish?
+      gone = sorted(set(range(count)) - set(client.get_live_nodes(list(range(count)))))
+      if gone:
+        found.append(f"host {', '.join(map(str, gone))} is gone (killed or crashed, no error "
+                     "recorded)")
+  except Exception:  # pylint: disable=broad-exception-caught
+    pass  # The service is unreachable: the line names this host's own cause.

@@ -7,7 +7,7 @@ from typing import Optional
 import jax
 import numpy as np
 
-from eppo_jax import hosts, programs
+from eppo_jax import agent, hosts, programs
 from eppo_jax import mesh as meshlib
 from eppo_jax.models.config import ModelConfig
 from eppo_jax.sampling import SamplingConfig, window_bucket
@@ -20,11 +20,17 @@ class ModelPolicy:
   host passes its own rows, padded with inactive (empty) rows to a multiple of its batch shards.
   One key per turn draws for the whole global batch, so the samples do not depend on the mesh.
 
+  On several hosts the turn is one program over all of them, so its shapes come from numbers
+  every host holds: the chunk width (every host passes chunks of the same width) and
+  `agent.Agreed` (the most rows and live rows on any host), which `agent.collect_episodes`
+  agrees on; the policy itself takes no host collective. On one host `agreed` may be left out.
+
   Cost follows use. Each turn attends over a bucketed window of the cache that covers the slots
-  written so far (counted here on the host, see `sampling.window_bucket`). With `compact` (one
-  host), once the live episodes fit a quarter of the batch (B/4, B/16, ..., while that is a
-  multiple of the batch shards), the live rows of the cache are gathered into it, so later turns
-  run on live rows only.
+  written so far (counted here on the host, see `sampling.window_bucket`). A turn that would not
+  fit the cache is refused (ValueError): the caller ends its episodes first. With `compact`, once
+  the live episodes of every host fit a quarter of the batch (B/4, B/16, ..., while that is a
+  multiple of the batch shards), each host's live rows of the cache are gathered into it, so
+  later turns run on live rows only.
   Greedy episodes are unchanged by compaction; sampled ones draw from other random streams (a
   row's draw depends on its position in the batch), with the same distribution.
 
@@ -41,7 +47,7 @@ class ModelPolicy:
     self._params = params
     self._config, self._sampling, self._max_slots = config, sampling, max_slots
     self._rng = rng
-    self._compact = compact and jax.process_count() == 1  # Hosts would have to agree on sizes.
+    self._compact = compact
     self._prefill_chunk = prefill_chunk
     self._turn = 0
     self._shards = max(1, meshlib.batch_shards(self._mesh) // jax.process_count())
@@ -52,45 +58,61 @@ class ModelPolicy:
     return programs.rollout_turn(self._config, self._sampling, self._mesh,
                                  rows * jax.process_count(), self._max_slots, window)
 
-  def _maybe_compact(self, cache, active_B):
-    """Gathers the live rows into a smaller batch when they fit one."""
+  def _maybe_compact(self, cache, active_B, live: int):
+    """Gathers the live rows into a smaller batch when the most live rows on any host (`live`)
+    fit one; every host shrinks to the same size."""
     rows_R = self._rows_R
-    live_R = (rows_R >= 0) & active_B[np.maximum(rows_R, 0)]
+    live_R = np.zeros(len(rows_R), bool)
+    live_R[rows_R >= 0] = active_B[rows_R[rows_R >= 0]]
     # Quarters of the batch (B, B/4, B/16, ...): each size is another set of compiled programs.
     smaller = len(rows_R)
-    while smaller % (4 * self._shards) == 0 and smaller // 4 >= max(int(live_R.sum()), 1):
+    while smaller % (4 * self._shards) == 0 and smaller // 4 >= max(live, 1):
       smaller //= 4
     if smaller >= len(rows_R):
       return cache
     # Live rows first; dead rows fill the rest (their chunks are empty from now on).
     keep_R = np.concatenate([np.flatnonzero(live_R), np.flatnonzero(~live_R)])[:smaller]
     self._rows_R = np.where(live_R[keep_R], rows_R[keep_R], -1)
+    # Each host names the global rows it keeps; together they are the smaller batch's rows.
+    keep = hosts.put_rows(hosts.row_positions(len(rows_R), self._mesh)[keep_R].astype(np.int32),
+                          self._mesh)
     with jax.set_mesh(self._mesh):
-      return self._programs(len(rows_R), self._max_slots).compact(cache, keep_R.astype(np.int32))
+      return self._programs(len(rows_R), self._max_slots).compact(cache, keep)
 
-  def __call__(self, chunk_BxC, chunk_mask_BxC, state, active_B):
-    b, c = chunk_BxC.shape
+  def __call__(self, chunk_BxC, chunk_mask_BxC, state, active_B,
+               agreed: Optional[agent.Agreed] = None):
+    b, width = chunk_BxC.shape
     n = self._sampling.max_new_tokens
+    active_B = np.asarray(active_B, bool)
+    if agreed is None:
+      if jax.process_count() > 1:
+        raise ValueError("ModelPolicy on several hosts needs `agreed`, the turn's sizes agreed by "
+                         "every host (agent.collect_episodes passes them)")
+      agreed = agent.Agreed(rows=b, live=int(active_B.sum()))
+    used = 0 if state is None else self._used
+    if used + width + n > self._max_slots:
+      raise ValueError(f"a turn of {width} chunk + {n} reply slots after {used} written does not "
+                       f"fit the {self._max_slots}-slot cache: end the episodes before it "
+                       "(agent.collect_episodes truncates them)")
     if state is None:
-      # Every host must pass the same shape (a global array): hosts with fewer rows (an uneven
+      # Every host passes the same shape (a global array): hosts with fewer rows (an uneven
       # evaluation split) add empty rows.
-      padded = hosts.global_max(-(-b // self._shards) * self._shards)
+      padded = -(-agreed.rows // self._shards) * self._shards
       self._rows_R = np.where(np.arange(padded) < b, np.arange(padded), -1)
       self._used = 0
       cache = None
     elif self._compact:
-      cache = self._maybe_compact(state, np.asarray(active_B, bool))
+      cache = self._maybe_compact(state, active_B, agreed.live)
     else:
       cache = state
     rows_R = self._rows_R
     present_R = rows_R >= 0
-    held_R = np.maximum(rows_R, 0)
-    width = hosts.global_max(c)  # Hosts with a shorter chunk add left padding.
-    pads = ((0, 0), (width - c, 0))
-    tokens_RxC = np.pad(np.where(present_R[:, None], chunk_BxC[held_R], 0), pads)
-    mask_RxC = np.pad(present_R[:, None] & np.asarray(chunk_mask_BxC, bool)[held_R], pads)
-    tokens_RxC = tokens_RxC.astype(chunk_BxC.dtype)
-    window = window_bucket(min(self._used + width + n, self._max_slots), self._max_slots)
+    # Rows of no episode read an empty row appended to the chunk (a host may have no episodes).
+    held_R = np.where(present_R, rows_R, b)
+    empty = np.zeros((1, width), bool)
+    tokens_RxC = np.concatenate([chunk_BxC, empty.astype(chunk_BxC.dtype)])[held_R]
+    mask_RxC = np.concatenate([np.asarray(chunk_mask_BxC, bool), empty])[held_R]
+    window = window_bucket(self._used + width + n, self._max_slots)
     run = self._programs(len(rows_R), window)
     key = jax.random.fold_in(self._rng, self._turn)
     tokens, mask = hosts.put_rows((tokens_RxC, mask_RxC), self._mesh)

@@ -168,7 +168,7 @@ class RolloutPrograms:
   empty_cache: object  # () -> an all-empty cache, placed on the mesh.
   turn: object  # (params, tokens, mask, key, cache) -> (reply, reply mask, cache, scores).
   prefill: object  # (params, tokens, mask, cache) -> cache: a chunk written without sampling.
-  compact: object  # (cache, rows) -> the cache of those rows.
+  compact: object  # (cache, rows) -> the cache of those (global) rows.
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,6 +191,7 @@ def rollout_turn(model: ModelConfig, sampling: SamplingConfig, mesh: jax.shardin
   prefill = jax.jit(functools.partial(_prefill, config=model, window=window),
                     in_shardings=(None, rows, rows, cache_sh), out_shardings=cache_sh,
                     donate_argnums=(3,))
-  # No donation: the smaller output cannot reuse the input's buffer.
-  compact = jax.jit(_take_rows, in_shardings=(cache_sh, replicated), out_shardings=cache_sh)
+  # The kept rows' global indices come split like the rows: each host names its own. No donation:
+  # the smaller output cannot reuse the input's buffer.
+  compact = jax.jit(_take_rows, in_shardings=(cache_sh, rows), out_shardings=cache_sh)
   return RolloutPrograms(empty, turn, prefill, compact)

@@ -272,9 +272,12 @@ class Trainer:
     for i in range(s.steps):
       pick = rng.choice(len(usable), per_host, replace=len(usable) < per_host)
       # Trim the batch to its longest demonstration (rounded up): fewer pad tokens, few shapes.
+      # Every host's batch is as wide as the widest host's; narrower ones get zero columns.
       longest = int(arrays["attention_mask"][pick].sum(1).max()) + 1
-      width = hosts.global_max(agent.round_up(longest, 64))
-      batch = hosts.put_rows({k: v[pick, :width] for k, v in arrays.items()}, self.mesh)
+      have = arrays["tokens"].shape[1]
+      width = hosts.global_max(min(agent.round_up(longest, 64), have))
+      batch = hosts.put_rows({k: np.pad(v[pick, :width], ((0, 0), (0, max(0, width - have))))
+                              for k, v in arrays.items()}, self.mesh)
       with jax.set_mesh(self.mesh):  # Traced with the mesh in context: `mesh.constrain_rows`.
         trainable, opt_state, out = sft(trainable, opt_state, self.frozen, batch)
       if i % 5 == 0 or i == s.steps - 1:  # Reading the loss waits for the device: not every step.
@@ -423,15 +426,19 @@ class Trainer:
 def train(config: ml_collections.ConfigDict, workdir) -> dict:
   """Runs (or resumes) the configured job in `workdir`; returns the last logged record.
 
-  Raises `interrupt.Interrupted` after saving a checkpoint when SIGINT or SIGTERM arrives.
+  Raises `interrupt.Interrupted` after saving a checkpoint when SIGINT or SIGTERM arrives (on
+  several hosts: on any one of them; every host saves the same step). On several hosts any other
+  exception ends the process (status 1) with a line naming the host and the cause, so that every
+  host stops (`hosts.stop_together`); on one host it propagates.
   """
   hosts.initialize(config.distributed)
-  config_check.validate(config)
-  workdir_lib.claim(config, workdir, write=jax.process_index() == 0)
-  use_compilation_cache(config.train.compilation_cache)
-  with interrupt.StopRequest() as signals:
-    trainer = Trainer(config, workdir_lib.as_path(workdir), signals)
-    try:
-      return trainer.run()
-    finally:
-      trainer.close()
+  with hosts.stop_together(agreed=(interrupt.Interrupted,)):
+    config_check.validate(config)
+    workdir_lib.claim(config, workdir, write=jax.process_index() == 0)
+    use_compilation_cache(config.train.compilation_cache)
+    with interrupt.StopRequest() as signals:
+      trainer = Trainer(config, workdir_lib.as_path(workdir), signals)
+      try:
+        return trainer.run()
+      finally:
+        trainer.close()

@@ -236,7 +236,7 @@ class _RecordingPolicy:
     self.params, self.config, self.sampling, self.rng = params, config, sampling_cfg, rng
     self.outputs = []
 
-  def __call__(self, chunk, chunk_mask, state, active):
+  def __call__(self, chunk, chunk_mask, state, active, agreed=None):
     key = jax.random.fold_in(self.rng, len(self.outputs))
     kwargs = dict(max_len=MAX_SLOTS) if state is None else dict(cache=state)
     out = sampling.rollout(self.params, self.config, chunk, chunk_mask, key, self.sampling,

@@ -178,7 +178,7 @@ class ScriptedSampler:
     self.seen = [[] for _ in replies]
     self.turn = 0
 
-  def __call__(self, chunk, chunk_mask, state, active):
+  def __call__(self, chunk, chunk_mask, state, active, agreed=None):
     b_size = len(self.replies)
     tokens = np.full((b_size, WIDTH), self.pad_id, np.int32)
     mask = np.zeros((b_size, WIDTH), bool)
