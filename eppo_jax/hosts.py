@@ -41,7 +41,9 @@ def initialize(cfg) -> None:
                                                                   for v in _LAUNCHER_VARS)))
   if not wanted or jax.distributed.is_initialized():
     return
-  kwargs = dict(heartbeat_timeout_seconds=int(cfg.heartbeat_timeout_s))
+  global _heartbeat_s
+  _heartbeat_s = int(cfg.heartbeat_timeout_s)
+  kwargs = dict(heartbeat_timeout_seconds=_heartbeat_s)
   if explicit:
     kwargs.update(coordinator_address=cfg.coordinator_address,
                   num_processes=cfg.num_processes, process_id=cfg.process_id)
@@ -157,6 +159,7 @@ def barrier(name: str) -> None:
 
 _FAILURES = "eppo_jax/failed/"  # Keys of the coordination service's store: host index -> cause.
 _ASK_TIMEOUT_S = 5.0  # How long a failing host asks the service about the others before exiting.
+_heartbeat_s = 100  # jax.distributed's heartbeat timeout (`initialize` sets the configured one).
 
 
 @contextlib.contextmanager
@@ -195,11 +198,13 @@ def _exit_failed(error: BaseException) -> None:
   cause = _cause(error)
   logging.getLogger(__name__).error("host %d of %d failed", host, count, exc_info=error)
   found = []
-  # The service may be gone with its host (process 0): ask from a thread, and not for long.
+  # The service may be gone with its host (process 0): ask from a thread, and not for long. Which
+  # host vanished the service knows only once its heartbeats have stopped for the timeout.
   asking = threading.Thread(target=_ask_service, args=(host, count, cause, error, found),
                             daemon=True)
   asking.start()
-  asking.join(_ASK_TIMEOUT_S)
+  collective = isinstance(error, jax.errors.JaxRuntimeError)
+  asking.join(_ASK_TIMEOUT_S + (_heartbeat_s if collective else 0))
   if found:
     line = f"error: host {host} of {count} stops: {found[0]} (here: {cause})"
   else:
