@@ -117,7 +117,7 @@ def free_port() -> int:
 
 
 def launch(argv_of, n: int, log_dir: Path, devices: Optional[int] = None, env: Optional[dict] = None,
-           cwd=None, xla_flags: str = "") -> list[subprocess.Popen]:
+           cwd=None) -> list[subprocess.Popen]:
   """Starts `argv_of(i)` for i < n, each with its output in `log_dir/host{i}.log`.
 
   `devices` sets each process's CPU device count (XLA_FLAGS); None leaves XLA_FLAGS to the script
@@ -127,7 +127,7 @@ def launch(argv_of, n: int, log_dir: Path, devices: Optional[int] = None, env: O
   base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   base.update(env or {})
   if devices is not None:
-    base["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {xla_flags}".strip()
+    base["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   procs = []
   for i in range(n):
     log = open(log_dir / f"host{i}.log", "w")  # pylint: disable=consider-using-with
@@ -262,11 +262,10 @@ class Pod:
     for name in self.logs.glob("out*"):
       name.unlink()
     self.procs = launch(lambda i: [
-        sys.executable, os.environ.get("DBG_HOST", __file__), "host", "--process-id", str(i), "--processes",
+        sys.executable, __file__, "host", "--process-id", str(i), "--processes",
         str(self.processes), "--port", str(port), "--workdir", str(self.workdir), "--out",
         str(self.logs / f"out{i}.json"), "--overrides", overrides], self.processes, self.logs,
-                        self.devices, env={FAIL_VAR: self.fail},
-                        xla_flags=os.environ.get("EPPO_POD_XLA_FLAGS", ""))
+                        self.devices, env={FAIL_VAR: self.fail})
     self.started = time.monotonic()
     return self
 
@@ -296,9 +295,9 @@ class Pod:
       time.sleep(0.2)
     return bool(done())
 
-  def in_rl(self, i: int = 0) -> bool:
-    """Host i logged the step-0 evaluation: the RL steps are starting."""
-    return any(r["step"] == 0 for r in self.records(i))
+  def logged(self, step: int, i: int = 0) -> bool:
+    """Host i logged the record of `step` (0: the evaluation before the first RL step)."""
+    return any(r["step"] >= step for r in self.records(i))
 
   def finish(self, timeout_s: float) -> list[Optional[int]]:
     """Waits for every host (killing those left after `timeout_s`) -> exit codes."""
@@ -330,10 +329,11 @@ def agree(pod: Pod, timeout_s: float) -> dict:
                   steps=[r["step"] for r in records[0]], final=(pod.out(0) or {}).get("record"))
 
 
-def inject(pod: Pod, victim: int, signum: int, timeout_s: float) -> dict:
-  """`signum` to host `victim` once RL runs; every host's exit code and seconds after it."""
+def inject(pod: Pod, victim: int, signum: int, timeout_s: float, after: int = 0) -> dict:
+  """`signum` to host `victim` once host 0 logged step `after` (so: during the next RL step);
+  every host's exit code and seconds after it."""
   pod.start()
-  if not pod.wait_until(pod.in_rl, timeout_s):
+  if not pod.wait_until(lambda: pod.logged(after), timeout_s):
     codes = pod.finish(1)
     return _summary(pod, codes, error="the pod ended before RL began", lines=pod.error_lines())
   os.kill(pod.procs[victim].pid, signum)
@@ -343,7 +343,8 @@ def inject(pod: Pod, victim: int, signum: int, timeout_s: float) -> dict:
   records = [pod.records(i) for i in range(pod.processes)]
   return _summary(pod, codes, injected=f"{signal.Signals(signum).name} to host {victim}",
                   seconds_after=after, last_step=[r[-1]["step"] if r else None for r in records],
-                  lines=pod.error_lines())
+                  identical=all(r == records[0] for r in records), lines=pod.error_lines(),
+                  messages=[(pod.out(i) or {}).get("message") for i in range(pod.processes)])
 
 
 def failing(pod: Pod, timeout_s: float) -> dict:
@@ -402,7 +403,7 @@ def main(argv=None) -> None:
     result = agree(pod(args.processes, name), args.timeout)
   elif args.scenario in ("term", "resume"):
     first = pod(args.processes, name)
-    result = inject(first, args.victim, signal.SIGTERM, args.timeout)
+    result = inject(first, args.victim, signal.SIGTERM, args.timeout, after=1)
     result["checkpoints"] = checkpoint_steps(first.workdir)
     if args.scenario == "resume":
       again = pod(args.resume_processes, name)
