@@ -39,8 +39,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 
-from eppo_jax.envs import registry  # pylint: disable=g-import-not-at-top,wrong-import-position
-from eppo_jax.envs.base import TextEnv, Transition  # pylint: disable=g-import-not-at-top,wrong-import-position
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from eppo_jax.envs import registry
+from eppo_jax.envs.base import TextEnv, Transition
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 HOST_VAR = "EPPO_POD_HOST"  # This process's index, for the injected environment failures.
 FAIL_VAR = "EPPO_POD_FAIL"  # "HOST:reset" (every reset raises there) or "HOST:step".
@@ -65,7 +67,7 @@ class PacedTask(TextEnv):
   """Exactly 1 + seed % 4 turns per episode, whatever the replies; a turn answered with a number
   scores 1, anything else the invalid-action penalty. Built to end episodes after different
   numbers of turns on different hosts. FAIL_VAR makes one host's envs raise: at every reset, or
-  at the second step of every third seed."""
+  at the second step of every seed that is a multiple of 3."""
 
   task_name = "paced"
   LEVELS = {"easy": PacedLevel()}
@@ -116,8 +118,8 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def launch(argv_of, n: int, log_dir: Path, devices: Optional[int] = None, env: Optional[dict] = None,
-           cwd=None) -> list[subprocess.Popen]:
+def launch(argv_of, n: int, log_dir: Path, devices: Optional[int] = None,
+           env: Optional[dict] = None, cwd=None) -> list[subprocess.Popen]:
   """Starts `argv_of(i)` for i < n, each with its output in `log_dir/host{i}.log`.
 
   `devices` sets each process's CPU device count (XLA_FLAGS); None leaves XLA_FLAGS to the script
@@ -208,7 +210,8 @@ def host_main(args) -> int:
   import logging  # pylint: disable=g-import-not-at-top
   from eppo_jax import interrupt, metrics, train  # pylint: disable=g-import-not-at-top
   faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: where is it stuck?
-  logging.basicConfig(format=f"host {args.process_id} %(asctime)s %(name)s: %(message)s")
+  logging.basicConfig(format=f"host {args.process_id} %(asctime)s %(name)s: %(message)s",
+                      force=True)
   logging.getLogger("eppo_jax").setLevel(logging.INFO)
   config = smoke_config(**json.loads(args.overrides))
   if args.processes > 1:

@@ -8,6 +8,7 @@ code paths as GCS.
 import json
 import logging
 import os
+import sys
 import textwrap
 
 import jax
@@ -15,13 +16,15 @@ import numpy as np
 import pytest
 
 import fake_gcs
-import two_hosts
 from eppo_jax import train, workdir
 from eppo_jax.checkpoint import Checkpointer
 from eppo_jax.metrics import MetricsLogger
 from pipeline_util import ROOT, smoke_config
 from test_metrics import TASKS, _log_a_run, _tensorboard_scalars
 from test_reliability import _damage, _records
+
+sys.path.insert(0, str(ROOT / "bench"))
+import pod  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 URL = "gs://bucket/run"
 
@@ -250,9 +253,9 @@ def test_two_hosts_restore_the_same_step_when_one_cannot_read(tmp_path):
   root.mkdir()
   script = tmp_path / "host.py"
   script.write_text(_HOST.format(tests=str(ROOT / "tests"),
-                                 address=f"127.0.0.1:{two_hosts.free_port()}", own=own,
+                                 address=f"127.0.0.1:{pod.free_port()}", own=own,
                                  root=str(root), url=URL))
-  out = two_hosts.run(script, tmp_path, cwd=tmp_path, timeout_s=120)
+  out = pod.run_script(script, tmp_path, cwd=tmp_path, timeout_s=120)
   for host in out:
     assert "different checkpoints" in host["disagree"]
   # Host i holds elements 4i..4i+3 of `a`, which are their index times the step.

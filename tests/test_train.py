@@ -5,7 +5,6 @@ import functools
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,9 @@ from eppo_jax.models.transformer import init_params
 # pylint: disable-next=unused-import
 from pipeline_util import (ROOT, assert_trees_equal, compile_cache, smoke_config, smoke_tiny_dir,
                            state_like)
+
+sys.path.insert(0, str(ROOT / "bench"))
+import pod  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 LEAN = {"train.tensorboard": False, "train.plots": False, "train.export_hf": False}
 
@@ -401,12 +403,6 @@ _HOST = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def test_two_hosts_train_and_agree(smoke_tiny_dir, tmp_path):
   """2 processes x 2 CPU devices on localhost finish the smoke run and agree on all results."""
   workdir = tmp_path / "run"
@@ -415,23 +411,9 @@ def test_two_hosts_train_and_agree(smoke_tiny_dir, tmp_path):
                "rollout.max_turns": 1}
   script = tmp_path / "host.py"
   script.write_text(_HOST.format(tests=str(ROOT / "tests"), tiny=str(smoke_tiny_dir),
-                                 overrides=overrides, address=f"127.0.0.1:{_free_port()}",
+                                 overrides=overrides, address=f"127.0.0.1:{pod.free_port()}",
                                  workdir=str(workdir)))
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  procs = [subprocess.Popen([sys.executable, str(script), str(i), str(tmp_path / f"out{i}.json")],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True) for i in range(2)]
-  logs = []
-  try:
-    for p in procs:
-      logs.append(p.communicate(timeout=600)[0])
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  for i, p in enumerate(procs):
-    assert p.returncode == 0, f"process {i}:\n{logs[i][-5000:]}"
-  out = [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(2)]
+  out = pod.run_script(script, tmp_path, cwd=ROOT, timeout_s=600)
   assert out[0]["processes"] == out[1]["processes"] == 2
   assert out[0]["devices"] == out[1]["devices"] == 4
   assert out[0]["step"] == out[1]["step"] == 1

@@ -1,0 +1,160 @@
+"""A small pod on this machine (bench/pod.py): 2 processes x 2 CPU devices of one jax.distributed
+job running the real trainer on the smoke preset, the batch and the weights split (fsdp) over all
+4 devices of both processes, with the `paced` task: episodes of 1 + seed % 4 turns, so the hosts'
+episodes end after different numbers of turns.
+
+The runs share one workdir and follow each other (a module fixture): SIGTERM to one host, a
+resumed run to the end, then kill -9 of one host in a further resumed run.
+"""
+
+import signal
+import sys
+import textwrap
+
+import pytest
+
+from eppo_jax import hosts
+from pipeline_util import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import pod  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+HEARTBEAT_S = 5  # distributed.heartbeat_timeout_s of these runs.
+STOP_BOUND_S = 60  # The most a host may take to stop after another host died.
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  directory = tmp_path_factory.mktemp("pod") / "tiny_model"
+  pod.build_tiny_model(directory)
+  return directory
+
+
+@pytest.fixture(scope="module")
+def runs(tiny, tmp_path_factory):
+  """{name: (pod, result)} of the runs, in order, on one workdir."""
+  base = tmp_path_factory.mktemp("pod_runs")
+  workdir = base / "run"
+  overrides = {"model.tiny_dir": str(tiny), "mesh.data": 1, "mesh.fsdp": 4,
+               "train.eval_instances_per_task": 4, "train.eval_every": 0, "sft.steps": 1,
+               "distributed.heartbeat_timeout_s": HEARTBEAT_S}
+
+  def make(name, steps, fail=""):
+    return pod.Pod(2, 2, workdir, base / name, {**overrides, "train.num_steps": steps}, fail)
+
+  out = {}
+  # Host 1's envs raise at the third step of every third seed: its episodes end as failed there.
+  term = make("term", 3, fail="1:step")
+  out["term"] = term, pod.inject(term, 1, signal.SIGTERM, 600, after=1)
+  out["term"][1]["checkpoints"] = pod.checkpoint_steps(workdir)
+  finish = make("finish", 3, fail="1:step")
+  out["finish"] = finish, pod.agree(finish, 600)
+  kill = make("kill", 5)
+  out["kill"] = kill, pod.inject(kill, 1, signal.SIGKILL, 600, after=3)
+  # Every reset raises on host 1, so its SFT has no demonstration: a RuntimeError there only.
+  fail = make("raise", 1, fail="1:reset")
+  fail.workdir = base / "raise_run"
+  out["raise"] = fail, pod.failing(fail, 600)
+  for name, (_, result) in out.items():
+    print(name, result["seconds"], "s")
+  return out
+
+
+def test_sigterm_to_one_host_saves_the_same_step_on_both(runs):
+  """SIGTERM to host 1 during RL step 2: both hosts finish step 2, save it, exit 128 + 15."""
+  term, result = runs["term"]
+  assert result["codes"] == [143, 143], result
+  assert result["last_step"] == [2, 2] and result["identical"], result
+  assert all("stopped after RL step 2 of 3" in m for m in result["messages"]), result
+  assert result["checkpoints"][-1] == 2, result
+
+
+def test_both_hosts_finish_with_identical_records(runs):
+  """The resumed run: both exit 0; every record each host logged is the same, and the
+  evaluation's numbers need both hosts' episodes (host 0 plays 1 and 3 turns, host 1 2 and 4)."""
+  finish, result = runs["finish"]
+  assert result["codes"] == [0, 0], [finish.log(i)[-3000:] for i in range(2)]
+  assert result["identical"] and result["steps"] == [3], result
+  assert "resumed from" in finish.log(0) and "at RL step 2" in finish.log(0)
+  outs = [finish.out(i) for i in range(2)]
+  assert outs[0]["record"] == outs[1]["record"] == result["final"]
+  assert outs[0]["processes"] == 2 and outs[0]["devices"] == 4
+  final = result["final"]
+  assert final["task/paced:easy/eval_turns"] == pytest.approx(2.5)
+  # Host 1's second evaluation seed (2 rounds, a multiple of 3) fails at its second step.
+  assert final["eval_env_failures"] == 1
+
+
+def test_kill_of_one_host_stops_the_other_with_a_reason(runs):
+  """kill -9 of host 1 during an RL step: host 0 exits non-zero within the bound, naming host 1."""
+  kill, result = runs["kill"]
+  assert result["codes"][1] == -signal.SIGKILL and result["codes"][0] not in (0, None), result
+  assert result["seconds_after"][0] <= STOP_BOUND_S, result
+  line = result["lines"][0]
+  assert ("error: host 0 of 2 stops: host 1 is gone" in line
+          or "stopped sending heartbeats" in kill.log(0)), kill.log(0)[-3000:]
+
+
+def test_an_exception_on_one_host_stops_both_naming_it(runs):
+  """Host 1 raises (no demonstration left): it exits 1 with its cause; host 0, whose next
+  collective fails, exits 1 too, naming host 1 and that cause."""
+  fail, result = runs["raise"]
+  assert result["codes"] == [1, 1], result
+  assert result["seconds_after_first_exit"] <= STOP_BOUND_S, result
+  cause = "RuntimeError: every expert demonstration failed"
+  assert result["lines"][1].startswith(f"host 1: error: host 1 of 2 failed: {cause}"), result
+  assert f"error: host 0 of 2 stops: host 1 failed: {cause}" in result["lines"][0], result
+  assert "injected: every reset fails on host 1" in fail.log(1)
+
+
+def test_stop_together_on_one_process_lets_the_exception_through():
+  with pytest.raises(ValueError, match="plain"):
+    with hosts.stop_together():
+      raise ValueError("plain")
+
+
+_COMPACT = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    jax.distributed.initialize({address!r}, 2, int(sys.argv[1]), heartbeat_timeout_seconds=10)
+    from eppo_jax import agent, hosts, sampling
+    from eppo_jax import mesh as meshlib
+    from eppo_jax.models import hf
+    from eppo_jax.policy import ModelPolicy
+    host = jax.process_index()
+    mesh = meshlib.make_mesh(meshlib.DATA_ONLY)
+    pre = hf.load_pretrained({tiny!r}, mesh=mesh)
+    cfg = sampling.SamplingConfig(max_new_tokens=6, greedy=True, stop_token_ids=(1,), pad_id=0)
+    policies = {{c: ModelPolicy(pre.params, pre.config, cfg, 192, jax.random.PRNGKey(0), mesh,
+                               compact=c) for c in (False, True)}}
+    states = {{c: None for c in policies}}
+    # Live rows per turn: host 0 keeps rows 1 and 5, then 5; host 1 keeps 4 rows, then 0 and 6.
+    live = {{0: [range(8), (1, 5), (5,)], 1: [range(8), (0, 2, 3, 6), (0, 6)]}}[host]
+    rng = np.random.default_rng(host)
+    out = dict(rows=[], same=[])
+    for rows in live:
+      active = np.isin(np.arange(8), rows)
+      agreed = agent.Agreed(rows=8, live=hosts.global_max(int(active.sum())))
+      chunk, mask = sampling.left_pad(
+          [list(rng.integers(5, 60, 9)) if a else [] for a in active], [32], 0)
+      replies = {{c: p(chunk, mask, states[c], active, agreed) for c, p in policies.items()}}
+      for c in policies:
+        states[c] = replies[c][2]
+      out["rows"].append(int(states[True]["mask"].shape[0]))
+      out["same"].append(bool((replies[True][0][active] == replies[False][0][active]).all()
+                              and (replies[True][1] == replies[False][1]).all()))
+    with open(sys.argv[2], "w") as f:
+      json.dump(out, f)
+""")
+
+
+def test_compaction_across_hosts_keeps_greedy_replies(tiny, tmp_path):
+  """2 processes x 2 devices, 8 rows per host: the batch shrinks only once every host's live rows
+  fit a quarter (2 per host), each host keeping its own rows, and the replies stay exactly those
+  of the uncompacted batch."""
+  script = tmp_path / "compact.py"
+  script.write_text(_COMPACT.format(address=f"127.0.0.1:{pod.free_port()}", tiny=str(tiny)))
+  out = pod.run_script(script, tmp_path, cwd=ROOT, timeout_s=300, devices=2)
+  for host in out:
+    assert host["rows"] == [16, 16, 4]  # Global rows: 2 hosts x 8, then 2 x 2.
+    assert all(host["same"]), host
