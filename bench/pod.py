@@ -10,6 +10,8 @@ Each process is one "host" of a `jax.distributed` job on localhost (the project'
   kill    kill -9 of one host during an RL step: every other host must stop within the bound
   raise   every environment reset fails on one host (its SFT demonstrations: a RuntimeError there)
   resume  `term`, then the same workdir resumed on another number of processes, to the end
+  same    from one SFT checkpoint, `--steps` RL steps on 1 process x N*M devices and on N x M:
+          the largest difference of the trained parameters
 
   python bench/pod.py --scenario agree --processes 4 --devices 2 --fsdp 8
   python bench/pod.py --scenario kill --processes 4 --devices 2
@@ -299,7 +301,8 @@ class Pod:
     return bool(done())
 
   def logged(self, step: int, i: int = 0) -> bool:
-    """Host i logged the record of `step` (0: the evaluation before the first RL step)."""
+    """Host i logged the record of `step` (0: the last SFT step's, then the evaluation before
+    the first RL step)."""
     return any(r["step"] >= step for r in self.records(i))
 
   def finish(self, timeout_s: float) -> list[Optional[int]]:
@@ -373,7 +376,7 @@ def main(argv=None) -> None:
   host.add_argument("--out", required=True)
   host.add_argument("--overrides", default="{}")
   parser.add_argument("--scenario", default="agree",
-                      choices=("agree", "term", "kill", "raise", "resume"))
+                      choices=("agree", "term", "kill", "raise", "resume", "same"))
   parser.add_argument("--processes", type=int, default=2)
   parser.add_argument("--devices", type=int, default=2)
   parser.add_argument("--fsdp", type=int, default=0, help="mesh.fsdp (0: every device)")
@@ -393,8 +396,11 @@ def main(argv=None) -> None:
 
   def pod(processes: int, name: str, fail: str = "") -> Pod:
     fsdp = args.fsdp or processes * args.devices
+    # 2 instances (4 episodes) and 2 evaluation episodes per host at least: every host plays.
     overrides = {"model.tiny_dir": str(tiny), "mesh.data": -1, "mesh.fsdp": fsdp,
-                 "train.num_steps": args.steps, "train.eval_instances_per_task": 4,
+                 "train.num_steps": args.steps,
+                 "rollout.instances_per_step": max(4, 2 * args.processes),
+                 "train.eval_instances_per_task": max(4, 2 * args.processes),
                  "distributed.heartbeat_timeout_s": args.heartbeat,
                  **{k: json.loads(v) for k, v in (a.split("=", 1) for a in args.set)}}
     return Pod(processes, args.devices, base / name, base / name / "logs", overrides, fail)
@@ -414,11 +420,63 @@ def main(argv=None) -> None:
       result["resumed"] = agree(again, args.timeout)
       result["resumed"]["from"] = re.findall(r"resumed from \S+ at RL step (\d+)",
                                              again.log(0))
+  elif args.scenario == "same":
+    result = same_update(pod, args, base / name)
   elif args.scenario == "kill":
-    result = inject(pod(args.processes, name), args.victim, signal.SIGKILL, args.timeout)
+    result = inject(pod(args.processes, name), args.victim, signal.SIGKILL, args.timeout,
+                    after=1)
   else:
     result = failing(pod(args.processes, name, fail=f"{args.victim}:reset"), args.timeout)
   print(json.dumps({"scenario": args.scenario, **result}), flush=True)
+
+
+def same_update(pod, args, base: Path) -> dict:
+  """The same RL steps from the same checkpoint on 1 process x N*M devices and on N x M (fsdp over
+  every device both times) -> the largest parameter difference after them."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  devices = args.processes * args.devices
+  start = pod(1, "same")
+  start.devices, start.workdir, start.logs = devices, base / "start", base / "start_logs"
+  # A longer warm start than the smoke preset's: replies that differ, rewards that differ, a
+  # gradient that is not zero.
+  start.overrides.update({"train.num_steps": 0, "sft.steps": 40, "mesh.fsdp": devices})
+  begun = agree(start, args.timeout)
+  runs = {}
+  for processes in (1, args.processes):
+    run = pod(processes, "same")
+    run.workdir, run.logs = base / f"run{processes}", base / f"run{processes}_logs"
+    run.devices = devices // processes
+    run.overrides.update({"sft.steps": 40, "mesh.fsdp": devices})
+    shutil.copytree(start.workdir, run.workdir)
+    runs[processes] = (run, agree(run, args.timeout))
+  params = {p: trained_params(run.workdir, run.overrides) for p, (run, _) in runs.items()}
+  one, many = params[1], params[args.processes]
+  diff = max(float(np.max(np.abs(one[k] - many[k]))) for k in one)
+  scale = max(float(np.max(np.abs(one[k]))) for k in one)
+  return dict(start=dict(codes=begun["codes"], seconds=begun["seconds"]),
+              runs={p: dict(codes=r["codes"], seconds=r["seconds"], identical=r["identical"],
+                            grad_norm=[x.get("grad_norm") for x in run.records(0)])
+                    for p, (run, r) in runs.items()},
+              max_abs_diff=diff, max_abs_param=scale)
+
+
+def trained_params(workdir: Path, overrides: dict) -> dict:
+  """{path: NumPy array} of the trainable parameters in the workdir's latest checkpoint."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from eppo_jax import lora, programs, train  # pylint: disable=g-import-not-at-top
+  from eppo_jax.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
+  config = smoke_config(**overrides)
+  _, params, _ = train.load_model(config, workdir)
+  trainable, _ = lora.partition(params, lora.trainable_mask(params, full_finetune=True))
+  like = programs.init_state(config, jax.tree_util.tree_map(np.asarray, trainable),
+                             programs.optimizer(config))
+  ckpt = Checkpointer(workdir / "checkpoints")
+  state, _ = ckpt.restore(like)
+  ckpt.close()
+  flat = jax.tree_util.tree_flatten_with_path(state.trainable)[0]
+  return {jax.tree_util.keystr(path): np.asarray(x, np.float64) for path, x in flat}
 
 
 def build_tiny_model(directory: Path) -> None:

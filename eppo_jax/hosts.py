@@ -14,6 +14,7 @@ exception on one host would leave the others waiting in their next collective, s
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -215,21 +216,29 @@ def _exit_failed(error: BaseException) -> None:
 
 
 def _ask_service(host: int, count: int, cause: str, error: BaseException, found: list) -> None:
-  """Records this host's cause; appends what explains it better, if anything: another host's
-  recorded failure, or (for a failed collective) the hosts the service no longer sees."""
+  """Records this host's cause; appends what explains it better, if anything: another host's own
+  failure (not a collective that failed because of a third host), else the hosts that the
+  service no longer sees (for a failed collective), else the other hosts' failed collectives."""
   try:
     from jax._src import distributed  # pylint: disable=g-import-not-at-top
     client = distributed.global_state.client
-    others = sorted((key.rsplit("/", 1)[-1], value)
+    collective = isinstance(error, jax.errors.JaxRuntimeError)
+    client.key_value_set(f"{_FAILURES}{host}", json.dumps([collective, cause]),
+                         allow_overwrite=True)
+    others = sorted((int(key.rsplit("/", 1)[-1]), json.loads(value))
                     for key, value in client.key_value_dir_get(_FAILURES))
-    client.key_value_set(f"{_FAILURES}{host}", cause, allow_overwrite=True)
-    others = [(other, value) for other, value in others if other != str(host)]
-    if others:
-      found.append("; ".join(f"host {other} failed: {value}" for other, value in others))
-    elif isinstance(error, jax.errors.JaxRuntimeError):  # A collective: did a peer vanish?
+    others = [(other, failed, text) for other, (failed, text) in others if other != host]
+    first = [f"host {other} failed: {text}" for other, failed, text in others if not failed]
+    if first:
+      found.append("; ".join(first))
+      return
+    if collective:  # Did a peer vanish? The service knows once its heartbeats are overdue.
       gone = sorted(set(range(count)) - set(client.get_live_nodes(list(range(count)))))
       if gone:
         found.append(f"host {', '.join(map(str, gone))} is gone (killed or crashed, no error "
                      "recorded)")
+        return
+    if others:
+      found.append("; ".join(f"host {other} failed: {text}" for other, _, text in others))
   except Exception:  # pylint: disable=broad-exception-caught
     pass  # The service is unreachable: the line names this host's own cause.
