@@ -75,8 +75,8 @@ def base_config() -> ml_collections.ConfigDict:
   # scores; every backend), "dense" (the reference), "xla" (jax.nn.dot_product_attention) or
   # "cudnn" (its fused GPU kernel). Smaller blocks: less memory, more loop steps. Sequences that
   # fit one block pair take the dense path. On CPU small blocks are also faster: the causal blocks
-  # above the diagonal are skipped and each block's softmax stays in cache (the tiny update at 384
-  # tokens: 7.0 s with 64, 10.7 s with 512 = dense); accelerators want 512 (the HF presets).
+  # above the diagonal are skipped and each block's softmax stays in cache (bench/README.md);
+  # accelerators want 512 (the HF presets).
   c.model.attention_impl = "blockwise"
   c.model.attention_block_q = 64
   c.model.attention_block_k = 64
@@ -113,6 +113,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.rollout.temperature = 1.0  # Log-probs, entropies and the loss all use this temperature.
   c.rollout.top_p = 1.0
   c.rollout.top_k = 0
+  # Groups whose episodes all got the same reward have zero advantage and teach nothing (see
+  # docs/eppo.md, "Zero-variance groups"). Dynamic sampling (DAPO) plays up to `extra_rounds`
+  # more rounds of instances_per_step instances until the batch can be filled with groups whose
+  # rewards differ; `keep_groups` < 1 trains on that fraction of the batch's groups, those with
+  # the largest reward spread (RAGEN's filter), leaving the rest out of the update.
+  c.rollout.dynamic_sampling = False
+  c.rollout.extra_rounds = 2
+  c.rollout.keep_groups = 1.0
 
   c.optim = ml_collections.ConfigDict()
   # Large enough, with several minibatches per rollout batch, that later minibatches are off-policy
@@ -227,7 +235,7 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     c.rollout.max_turns = 10
     c.rollout.max_new_tokens = 128
     c.rollout.max_episode_tokens = 4096
-    c.rollout.prefill_chunk = 256  # The 7B rollout turn: 13.21 GiB per v5e chip, 15.93 at 512.
+    c.rollout.prefill_chunk = 256  # Keeps the 7B rollout turn within a v5e chip (docs/scaling.md).
     c.optim.learning_rate = 1e-5 if arg == "qwen2.5-7b" else 2e-5
     # The slice each preset is sized for, its mesh and its minibatches (checked with
     # `python -m eppo_jax.fit`, see docs/scaling.md). fsdp over a whole slice keeps one copy of

@@ -77,6 +77,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.checkpoint_keep": (_at_least(1), ">= 1"),
     "train.max_bad_steps": (_at_least(1), ">= 1"),
     "distributed.num_processes": (_at_least(0), ">= 0"),
+    "rollout.extra_rounds": (_at_least(0), ">= 0"),
+    "rollout.keep_groups": (lambda x: 0 < x <= 1, "in (0, 1] (1 = keep every group)"),
     "gigpo.gamma": (lambda x: 0 < x <= 1, "in (0, 1]"),
     "gigpo.omega": (_at_least(0), ">= 0"),
 }

@@ -121,6 +121,8 @@ def batch_spec(config: ml_collections.ConfigDict, step_cfg: steps.StepConfig,
               group_ids=((b,), np.int32), rewards=((b,), np.float32))
   if step_cfg.old_logprobs == "sampler":  # The rollout's numbers travel with the batch.
     spec.update({k: ((b, width), np.float32) for k in SAMPLER_KEYS})
+  if step_cfg.advantage_estimator in steps.TOKEN_ADVANTAGES:  # Computed on the host.
+    spec["advantages"] = ((b, width), np.float32)
   return spec
 
 

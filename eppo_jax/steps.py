@@ -41,6 +41,9 @@ class TrainState:
 
 
 OLD_LOGPROBS = ("recompute", "sampler")
+# Estimators whose advantages are computed on the host, per token, and enter the batch as
+# "advantages" [B,T] aligned with "tokens" (`eppo_jax.gigpo`).
+TOKEN_ADVANTAGES = ("gigpo",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +185,13 @@ def _finite(*trees) -> jax.Array:
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
+def _abs_mean(advantages, loss_mask_BxR) -> jax.Array:
+  """Mean |A| over the episodes ([b] advantages) or over the loss tokens ([b,R] advantages)."""
+  if advantages.ndim == 1:
+    return jnp.mean(jnp.abs(advantages))
+  return jnp.sum(jnp.abs(advantages)) / jnp.maximum(jnp.sum(loss_mask_BxR), 1)
+
+
 def _take(tree, i):
   return jax.tree_util.tree_map(lambda x: x[i], tree)
 
@@ -208,11 +218,15 @@ def update_inputs(params, batch: dict, cfg: StepConfig) -> tuple[dict, jax.Array
   full_mask_BxT = batch["loss_mask"][:, 1:].astype(bool) & valid_B[:, None]
   idx_BxR, loss_mask_BxR = loss_positions(full_mask_BxT, budget)
   over_budget = jnp.sum(jnp.maximum(full_mask_BxT.sum(axis=1) - budget, 0))
-  advantages_B = objective.grpo_advantages(
-      batch["rewards"], batch["group_ids"], cfg.num_groups, estimator=cfg.advantage_estimator,
-      task_ids=batch["task_ids"], num_tasks=cfg.num_tasks, per_task_std=cfg.per_task_std)
+  if cfg.advantage_estimator in TOKEN_ADVANTAGES:  # Per token: [b,R] at the scored positions.
+    advantages = jnp.take_along_axis(batch["advantages"][:, 1:], idx_BxR, axis=1)
+    advantages = jnp.where(loss_mask_BxR, advantages, 0.0)
+  else:  # Per episode: [b].
+    advantages = objective.grpo_advantages(
+        batch["rewards"], batch["group_ids"], cfg.num_groups, estimator=cfg.advantage_estimator,
+        task_ids=batch["task_ids"], num_tasks=cfg.num_tasks, per_task_std=cfg.per_task_std)
   data = {k: batch[k] for k in ("tokens", "attention_mask", "task_ids")}
-  data.update(idx=idx_BxR, loss_mask=loss_mask_BxR, advantages=advantages_B)
+  data.update(idx=idx_BxR, loss_mask=loss_mask_BxR, advantages=advantages)
   if cfg.loss.kl_coef:
     # The reference policy is the base model: the same params with the adapters left out.
     ref_params = transformer.layer_params(lora.base_params(params), cfg.model)  # Split once.
@@ -370,8 +384,8 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
       (state.trainable, state.opt_state), frozen, data, rng_epochs, eps_low_K, eps_high_K, first,
       cfg, tx)
   metrics = {k: (v.sum(0) if k == "skipped" else v.mean(0)) for k, v in per_update.items()}
-  metrics.update(pacing_metrics, advantage_abs_mean=jnp.mean(jnp.abs(data["advantages"])),
-                 loss_tokens_over_budget=over_budget.astype(jnp.int32))
+  metrics.update(pacing_metrics, loss_tokens_over_budget=over_budget.astype(jnp.int32),
+                 advantage_abs_mean=_abs_mean(data["advantages"], data["loss_mask"]))
   new_state = TrainState(step=state.step + 1, trainable=trainable, opt_state=opt_state,
                          pacing=new_pacing)
   return new_state, metrics
