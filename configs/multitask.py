@@ -124,6 +124,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.optim.grad_clip = 1.0
   c.optim.ppo_epochs = 1
   c.optim.num_minibatches = 4  # Per RL step and device; each is one optimizer update.
+  # Parts of each minibatch whose gradients are summed before its one update, run one at a time:
+  # the memory of one part, the update of the whole minibatch (up to float rounding). Must divide
+  # each minibatch's episodes per batch shard (and, with share_prompt, its groups).
+  c.optim.micro_batches = 1
   # Where the old-policy log-probs (ratio denominator) and pacing entropies come from: "recompute"
   # (teacher-forced with the pre-update params; exact) or "sampler" (the rollout's own per-token
   # numbers: no old-policy pass, but in bf16 the ratio starts off 1). See docs/eppo.md.
