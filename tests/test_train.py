@@ -373,6 +373,8 @@ jax.monitoring.register_event_duration_secs_listener(
     ({"method": "ppo2"}, "config.method"),
     ({"rollout.instances_per_step": 3}, "config.rollout.instances_per_step"),
     ({"optim.num_minibatches": 3}, "config.optim.num_minibatches"),
+    ({"optim.micro_batches": 0}, "config.optim.micro_batches=0 must be >= 1"),
+    ({"optim.micro_batches": 2}, "config.optim.micro_batches=2"),
     ({"tasks.specs": ("sokoban:easy", "chess:easy")}, "config.tasks.specs"),
     ({"tasks.specs": ("sokoban:impossible",)}, "config.tasks.specs"),
     ({"rollout.group_size": 1, "rollout.instances_per_step": 4}, "config.rollout.group_size"),
