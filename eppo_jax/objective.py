@@ -348,6 +348,45 @@ def covariance_tokens(logprobs_BxT, old_logprobs_BxT, advantages_B, loss_mask_Bx
   return _selected(t, cfg, rng, axis_name)
 
 
+def _regularised(pg_BxT, logp_BxT, mask_BxT, ref_logprobs_BxT, token_entropy_BxT,
+                 cfg: LossConfig):
+  """(per-token loss with the KL and entropy terms, KL [B,T] or None, entropy [B,T] or None)."""
+  dtype, tok_loss_BxT, kl_BxT, ent_BxT = pg_BxT.dtype, pg_BxT, None, None
+  if cfg.kl_coef != 0.0:
+    if ref_logprobs_BxT is None:
+      raise ValueError("kl_coef != 0 needs ref_logprobs_BxT")
+    ref_BxT = lax.stop_gradient(jnp.where(mask_BxT, ref_logprobs_BxT.astype(dtype), 0.0))
+    kl_BxT = kl_penalty(logp_BxT, ref_BxT, cfg.kl_estimator, cfg.kl_clamp)
+    tok_loss_BxT = tok_loss_BxT + cfg.kl_coef * kl_BxT
+  if token_entropy_BxT is not None:
+    ent_BxT = jnp.where(mask_BxT, token_entropy_BxT.astype(dtype), 0.0)
+  if cfg.entropy_coef != 0.0:
+    if ent_BxT is None:
+      raise ValueError("entropy_coef != 0 needs token_entropy_BxT")
+    tok_loss_BxT = tok_loss_BxT - cfg.entropy_coef * ent_BxT
+  return tok_loss_BxT, kl_BxT, ent_BxT
+
+
+def _token_means(per_token: dict, maskf_BxT, task_ids_B, num_tasks: int,
+                 axis_name: Optional[str], totals=None) -> dict[str, jax.Array]:
+  """Token-weighted means of each [B,T] metric over the loss tokens of every device, per task
+  (`<name>_K`) and global (`<name>`), plus the token counts. With `totals` (a part of a batch),
+  the means divide by the whole batch's counts: this part's share of them."""
+  names = list(per_token)
+  stacked_MxB = jnp.stack([jnp.sum(lax.stop_gradient(per_token[n]) * maskf_BxT, axis=1)
+                           for n in names] + [jnp.sum(maskf_BxT, axis=1)])
+  sums_MxK = jax.vmap(lambda x_B: jax.ops.segment_sum(x_B, task_ids_B, num_tasks))(stacked_MxB)
+  sums_MxK, sums_M = _sum_over_devices((sums_MxK, stacked_MxB.sum(axis=1)), axis_name)
+  count_K, count = sums_MxK[-1], sums_M[-1]
+  metrics = {"token_count_K": count_K.astype(jnp.int32), "token_count": count.astype(jnp.int32)}
+  if totals is not None:
+    count_K, count = totals.token_count_K, totals.tokens
+  for i, name in enumerate(names):
+    metrics[f"{name}_K"] = sums_MxK[i] / jnp.maximum(count_K, 1.0)
+    metrics[name] = sums_M[i] / jnp.maximum(count, 1.0)
+  return metrics
+
+
 def eppo_loss(logprobs_BxT: jax.Array,
               old_logprobs_BxT: jax.Array,
               advantages_B: jax.Array,
@@ -402,21 +441,8 @@ def eppo_loss(logprobs_BxT: jax.Array,
       pg_BxT = t.unclipped_BxT + jnp.where(selected_BxT, penalty_BxT, 0.0)
 
   # --- Regularisers.
-  tok_loss_BxT = pg_BxT
-  kl_BxT = None
-  if cfg.kl_coef != 0.0:
-    if ref_logprobs_BxT is None:
-      raise ValueError("kl_coef != 0 needs ref_logprobs_BxT")
-    ref_BxT = lax.stop_gradient(jnp.where(mask_BxT, ref_logprobs_BxT.astype(dtype), 0.0))
-    kl_BxT = kl_penalty(logp_BxT, ref_BxT, cfg.kl_estimator, cfg.kl_clamp)
-    tok_loss_BxT = tok_loss_BxT + cfg.kl_coef * kl_BxT
-  ent_BxT = None
-  if token_entropy_BxT is not None:
-    ent_BxT = jnp.where(mask_BxT, token_entropy_BxT.astype(dtype), 0.0)
-  if cfg.entropy_coef != 0.0:
-    if ent_BxT is None:
-      raise ValueError("entropy_coef != 0 needs token_entropy_BxT")
-    tok_loss_BxT = tok_loss_BxT - cfg.entropy_coef * ent_BxT
+  tok_loss_BxT, kl_BxT, ent_BxT = _regularised(pg_BxT, logp_BxT, mask_BxT, ref_logprobs_BxT,
+                                               token_entropy_BxT, cfg)
 
   loss = _aggregate(tok_loss_BxT, maskf_BxT, cfg, axis_name, totals)
 
@@ -437,18 +463,7 @@ def eppo_loss(logprobs_BxT: jax.Array,
     per_token["kl_ref"] = kl_BxT
   if ent_BxT is not None:
     per_token["entropy"] = ent_BxT
-  names = list(per_token)
-  stacked_MxB = jnp.stack([jnp.sum(lax.stop_gradient(per_token[n]) * maskf_BxT, axis=1)
-                           for n in names] + [jnp.sum(maskf_BxT, axis=1)])
-  sums_MxK = jax.vmap(lambda x_B: jax.ops.segment_sum(x_B, task_ids_B, num_tasks))(stacked_MxB)
-  sums_MxK, sums_M = _sum_over_devices((sums_MxK, stacked_MxB.sum(axis=1)), axis_name)
-  count_K, count = sums_MxK[-1], sums_M[-1]
-  metrics = {"token_count_K": count_K.astype(jnp.int32), "token_count": count.astype(jnp.int32)}
-  if totals is not None:  # Means over the whole batch: this part's share of them.
-    count_K, count = totals.token_count_K, totals.tokens
-  for i, name in enumerate(names):
-    metrics[f"{name}_K"] = sums_MxK[i] / jnp.maximum(count_K, 1.0)
-    metrics[name] = sums_M[i] / jnp.maximum(count, 1.0)
+  metrics = _token_means(per_token, maskf_BxT, task_ids_B, num_tasks, axis_name, totals)
   global_loss = lax.stop_gradient(loss)
   metrics["loss"] = global_loss if axis_name is None else lax.pmean(global_loss, axis_name)
   return loss, metrics
