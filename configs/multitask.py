@@ -31,13 +31,14 @@ HF_PRESETS = {
     "qwen3-0.6b": "Qwen/Qwen3-0.6B",
 }
 PRESETS = ("tiny", "smoke") + tuple(HF_PRESETS)
-# (TPU slice the preset is sized for, config.mesh.fsdp, config.optim.num_minibatches); data takes
-# the remaining devices. The minibatches keep each update's activations within the chip's HBM:
-# peak GiB per chip from `python -m eppo_jax.fit` in docs/scaling.md.
-PRESET_SLICES = {"qwen2.5-7b": ("v5e:4x4", 16, 32), "qwen2.5-1.5b": ("v5p:2x2x2", 8, 8),
-                 "qwen2.5-0.5b": ("v5e:2x4", 1, 16), "llama3.2-1b": ("v5e:2x4", 8, 32),
+# (TPU slice the preset is sized for, config.mesh.fsdp, config.optim.num_minibatches,
+# config.optim.micro_batches); data takes the remaining devices. Each RL step takes 4 optimizer
+# updates; the micro-batches keep each update's activations within the chip's HBM: peak GiB per
+# chip from `python -m eppo_jax.fit` in docs/scaling.md.
+PRESET_SLICES = {"qwen2.5-7b": ("v5e:4x4", 16, 4, 8), "qwen2.5-1.5b": ("v5p:2x2x2", 8, 4, 2),
+                 "qwen2.5-0.5b": ("v5e:2x4", 1, 4, 4), "llama3.2-1b": ("v5e:2x4", 8, 4, 8),
                  # 8 kv heads x 128 x 28 layers: a 4096-slot cache is 0.9 GiB per episode.
-                 "qwen3-0.6b": ("v5e:4x8", 1, 4)}
+                 "qwen3-0.6b": ("v5e:4x8", 1, 4, 1)}
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -75,8 +76,8 @@ def base_config() -> ml_collections.ConfigDict:
   # scores; every backend), "dense" (the reference), "xla" (jax.nn.dot_product_attention) or
   # "cudnn" (its fused GPU kernel). Smaller blocks: less memory, more loop steps. Sequences that
   # fit one block pair take the dense path. On CPU small blocks are also faster: the causal blocks
-  # above the diagonal are skipped and each block's softmax stays in cache (the tiny update at 384
-  # tokens: 7.0 s with 64, 10.7 s with 512 = dense); accelerators want 512 (the HF presets).
+  # above the diagonal are skipped and each block's softmax stays in cache (bench/README.md);
+  # accelerators want 512 (the HF presets).
   c.model.attention_impl = "blockwise"
   c.model.attention_block_q = 64
   c.model.attention_block_k = 64
@@ -113,6 +114,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.rollout.temperature = 1.0  # Log-probs, entropies and the loss all use this temperature.
   c.rollout.top_p = 1.0
   c.rollout.top_k = 0
+  # Groups whose episodes all got the same reward have zero advantage and teach nothing (see
+  # docs/eppo.md, "Zero-variance groups"). Dynamic sampling (DAPO) plays up to `extra_rounds`
+  # more rounds of instances_per_step instances until the batch can be filled with groups whose
+  # rewards differ; `keep_groups` < 1 trains on that fraction of the batch's groups, those with
+  # the largest reward spread (RAGEN's filter), leaving the rest out of the update.
+  c.rollout.dynamic_sampling = False
+  c.rollout.extra_rounds = 2
+  c.rollout.keep_groups = 1.0
 
   c.optim = ml_collections.ConfigDict()
   # Large enough, with several minibatches per rollout batch, that later minibatches are off-policy
@@ -124,6 +133,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.optim.grad_clip = 1.0
   c.optim.ppo_epochs = 1
   c.optim.num_minibatches = 4  # Per RL step and device; each is one optimizer update.
+  # Parts of each minibatch whose gradients are summed before its one update, run one at a time:
+  # the memory of one part, the update of the whole minibatch (up to float rounding). Must divide
+  # each minibatch's episodes per batch shard (and, with share_prompt, its groups).
+  c.optim.micro_batches = 1
   # Where the old-policy log-probs (ratio denominator) and pacing entropies come from: "recompute"
   # (teacher-forced with the pre-update params; exact) or "sampler" (the rollout's own per-token
   # numbers: no old-policy pass, but in bf16 the ratio starts off 1). See docs/eppo.md.
@@ -231,20 +244,23 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     c.rollout.max_turns = 10
     c.rollout.max_new_tokens = 128
     c.rollout.max_episode_tokens = 4096
-    c.rollout.prefill_chunk = 256  # The 7B rollout turn: 13.21 GiB per v5e chip, 15.93 at 512.
+    c.rollout.prefill_chunk = 256  # Keeps the 7B rollout turn within a v5e chip (docs/scaling.md).
     c.optim.learning_rate = 1e-5 if arg == "qwen2.5-7b" else 2e-5
-    # The slice each preset is sized for, its mesh and its minibatches (checked with
-    # `python -m eppo_jax.fit`, see docs/scaling.md). fsdp over a whole slice keeps one copy of
-    # the weights per slice; the batch per device is the same as plain data parallelism over it.
-    # Each minibatch is one optimizer update: more of them need less memory per chip and make the
-    # later ones more off-policy (the clip bounds act more).
-    #   qwen2.5-7b:   v5e 4x4 (16 chips), fsdp 16, 32 minibatches of 16 episodes.
-    #   qwen2.5-1.5b: v5p 2x2x2 (8 chips, 64 episodes per chip), fsdp 8, 8 minibatches of 64;
-    #                 on v5e 2x4 use --config.optim.num_minibatches=16.
-    #   qwen2.5-0.5b: v5e 2x4, data parallel, 16 minibatches of 32 episodes.
-    #   llama3.2-1b:  v5e 2x4, fsdp 8, 32 minibatches of 16 episodes.
+    # The slice each preset is sized for, its mesh, its minibatches and micro-batches (checked
+    # with `python -m eppo_jax.fit`, see docs/scaling.md). fsdp over a whole slice keeps one copy
+    # of the weights per slice; the batch per device is the same as plain data parallelism over
+    # it. Each minibatch is one optimizer update (4 per RL step: the later ones are off-policy
+    # and the clip bounds act); its gradient is summed over micro-batches run one at a time, and
+    # the episodes per chip of one micro-batch set the update's activation memory.
+    #   qwen2.5-7b:   v5e 4x4 (16 chips), fsdp 16, 4 minibatches of 128 episodes in 8
+    #                 micro-batches (1 episode per chip at a time).
+    #   qwen2.5-1.5b: v5p 2x2x2 (8 chips, 64 episodes per chip), fsdp 8, 4 minibatches in 2
+    #                 micro-batches (8 per chip); on v5e 2x4 use --config.optim.micro_batches=4.
+    #   qwen2.5-0.5b: v5e 2x4, data parallel, 4 minibatches in 4 micro-batches (4 per chip).
+    #   llama3.2-1b:  v5e 2x4, fsdp 8, 4 minibatches in 8 micro-batches (2 per chip).
     #   qwen3-0.6b:   v5e 4x8 (32 chips, 16 episodes per chip), data parallel, 4 minibatches.
-    c.mesh.slice, c.mesh.fsdp, c.optim.num_minibatches = PRESET_SLICES[arg]
+    (c.mesh.slice, c.mesh.fsdp, c.optim.num_minibatches,
+     c.optim.micro_batches) = PRESET_SLICES[arg]
     c.train.num_steps = 200
     c.train.eval_every = 20
     c.train.checkpoint_every = 20

@@ -86,6 +86,10 @@ class EpisodeBatch:
     return [tokenizer.decode(self.tokens[b, s:e]) for s, e in zip(edges[::2], edges[1::2])]
 
 
+# The per-turn records: what only the host that played an episode needs (`eppo_jax.gigpo`).
+PER_TURN_FIELDS = ("turn_ids", "step_rewards", "step_states")
+
+
 def training_rewards(episodes: EpisodeBatch) -> np.ndarray:
   """Rewards [B] for the update, NaN where an episode is left out: it failed (the env raised or
   timed out), its reward is not finite, or it is the only healthy member of its group (nothing to

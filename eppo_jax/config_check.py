@@ -66,6 +66,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "optim.grad_clip": (_positive, "> 0"),
     "optim.ppo_epochs": (_at_least(1), ">= 1"),
     "optim.num_minibatches": (_at_least(1), ">= 1"),
+    "optim.micro_batches": (_at_least(1), ">= 1"),
     "sft.demos_per_task": (_at_least(1), ">= 1"),
     "sft.steps": (_at_least(0), ">= 0"),
     "sft.batch_size": (_at_least(1), ">= 1"),
@@ -78,6 +79,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.max_bad_steps": (_at_least(1), ">= 1"),
     "distributed.num_processes": (_at_least(0), ">= 0"),
     "distributed.heartbeat_timeout_s": (_at_least(1), ">= 1 (seconds)"),
+    "rollout.extra_rounds": (_at_least(0), ">= 0"),
+    "rollout.keep_groups": (lambda x: 0 < x <= 1, "in (0, 1] (1 = keep every group)"),
     "gigpo.gamma": (lambda x: 0 < x <= 1, "in (0, 1]"),
     "gigpo.omega": (_at_least(0), ">= 0"),
 }
@@ -178,10 +181,18 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if per_shard % o.num_minibatches:
     raise ConfigError(f"{per_shard} episodes per batch shard are not divisible by "
                       f"config.optim.num_minibatches={o.num_minibatches}")
+  if (per_shard // o.num_minibatches) % o.micro_batches:
+    raise ConfigError(f"{per_shard // o.num_minibatches} episodes per batch shard and minibatch "
+                      f"are not divisible by config.optim.micro_batches={o.micro_batches}")
   if o.share_prompt and r.instances_per_step % o.num_minibatches:
     raise ConfigError(f"config.optim.share_prompt needs minibatches of whole groups: "
                       f"instances_per_step={r.instances_per_step} is not divisible by "
                       f"num_minibatches={o.num_minibatches} (or set share_prompt=False)")
+  if o.share_prompt and r.instances_per_step % (o.num_minibatches * o.micro_batches):
+    raise ConfigError(f"config.optim.share_prompt needs micro-batches of whole groups: "
+                      f"instances_per_step={r.instances_per_step} is not divisible by "
+                      f"num_minibatches x micro_batches = {o.num_minibatches * o.micro_batches} "
+                      f"(or set share_prompt=False)")
   if config.loss.overrides.get("kl_coef", 0.0) and not m.lora_rank:
     raise ConfigError("config.loss.overrides.kl_coef needs LoRA (config.model.lora_rank > 0): "
                       "the KL reference is the base model with the adapters switched off")

@@ -14,10 +14,15 @@ count) is psum-ed, and the returned loss on each device is N_devices * (local sh
 global loss). Hence `lax.pmean(loss)` is the global loss and **the trainer must `lax.pmean`
 the gradients** to get the gradient of the global loss: identical to 1 device on the same
 global batch. Metrics are already global (identical on every device).
+
+Micro-batches (gradient accumulation) follow the same idea along time: given the whole batch's
+normalisers (`loss_totals`) and its Clip-Cov / KL-Cov token choice (`covariance_tokens`), every
+number `eppo_loss` returns for a part of the batch is that part's additive share, so the sums over
+the parts are the whole batch's loss, gradient and metrics.
 """
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -195,11 +200,29 @@ def kl_penalty(logprobs_BxT: jax.Array, ref_logprobs_BxT: jax.Array, estimator: 
 # ----------------------------------------------------------------------------- loss
 
 
-def _aggregate(tok_BxT, mask_BxT, cfg: LossConfig, axis_name: Optional[str]):
+class LossTotals(NamedTuple):
+  """The loss normalisers of a whole batch, for scoring a part of it (a micro-batch)."""
+  token_count_K: jax.Array  # [K] float32: loss tokens per task.
+  tokens: jax.Array  # [] float32: loss tokens.
+  sequences: jax.Array  # [] float32: rows with at least one loss token.
+
+
+def loss_totals(loss_mask_BxT, task_ids_B, num_tasks: int,
+                axis_name: Optional[str] = None) -> LossTotals:
+  """The normalisers of `eppo_loss` over this batch (and every device): its `totals` argument."""
+  count_B = jnp.sum(loss_mask_BxT > 0, axis=1).astype(jnp.float32)
+  sums = (jax.ops.segment_sum(count_B, task_ids_B, num_tasks), jnp.sum(count_B),
+          jnp.sum(count_B > 0, dtype=jnp.float32))
+  return LossTotals(*_sum_over_devices(sums, axis_name))
+
+
+def _aggregate(tok_BxT, mask_BxT, cfg: LossConfig, axis_name: Optional[str],
+               totals: Optional[LossTotals] = None):
   """Reduce per-token losses to this device's share of the global loss (see module doc)."""
   if cfg.agg == "token-mean":
     num = jnp.sum(tok_BxT * mask_BxT)
-    den = _sum_over_devices(jnp.sum(mask_BxT), axis_name)
+    den = (_sum_over_devices(jnp.sum(mask_BxT), axis_name) if totals is None
+           else totals.tokens)
   else:
     count_B = jnp.sum(mask_BxT, axis=1)
     sum_B = jnp.sum(tok_BxT * mask_BxT, axis=1)
@@ -210,7 +233,8 @@ def _aggregate(tok_BxT, mask_BxT, cfg: LossConfig, axis_name: Optional[str]):
     # Empty rows (padding, zero-length responses) are not sequences: they would dilute the mean.
     nonempty_B = count_B > 0
     num = jnp.sum(jnp.where(nonempty_B, seq_B, 0.0))
-    den = _sum_over_devices(jnp.sum(nonempty_B.astype(tok_BxT.dtype)), axis_name)
+    den = (_sum_over_devices(jnp.sum(nonempty_B.astype(tok_BxT.dtype)), axis_name)
+           if totals is None else totals.sequences)
   loss = num / jnp.maximum(den, 1.0)
   if axis_name is not None:
     loss = loss * lax.psum(1, axis_name)  # the device count: pmean over devices = global loss
@@ -270,6 +294,99 @@ def _bounds_per_sequence(eps, task_ids_B):
   return jnp.take(eps, task_ids_B, mode="clip")
 
 
+class _Surrogate(NamedTuple):
+  """The per-token pieces of the clipped surrogate, untrained positions zeroed."""
+  dtype: jnp.dtype
+  mask_BxT: jax.Array  # bool
+  logp_BxT: jax.Array
+  old_BxT: jax.Array
+  adv_BxT: jax.Array
+  eps_low_Bx1: jax.Array
+  eps_high_Bx1: jax.Array
+  ratio_BxT: jax.Array
+  unclipped_BxT: jax.Array  # -A r
+  clipped_BxT: jax.Array  # -A clip(r, 1 - eps_low, 1 + eps_high)
+
+
+def _surrogate(logprobs_BxT, old_logprobs_BxT, advantages_B, loss_mask_BxT, task_ids_B, eps_low_K,
+               eps_high_K, cfg: LossConfig) -> _Surrogate:
+  """The ratio and both sides of the clip for each token, with each sequence's task bounds."""
+  dtype = jnp.promote_types(logprobs_BxT.dtype, jnp.float32)
+  mask_BxT = loss_mask_BxT > 0
+  # Untrained positions are zeroed first: garbage there (e.g. -inf padding logprobs) must
+  # not turn into NaN, in the loss or in its gradient.
+  logp_BxT = jnp.where(mask_BxT, logprobs_BxT.astype(dtype), 0.0)
+  old_BxT = lax.stop_gradient(jnp.where(mask_BxT, old_logprobs_BxT.astype(dtype), 0.0))
+  adv_BxT = jnp.asarray(advantages_B, dtype)
+  adv_BxT = lax.stop_gradient(adv_BxT[:, None] if adv_BxT.ndim == 1 else adv_BxT)
+  adv_BxT = jnp.where(mask_BxT, adv_BxT, 0.0)
+  eps_low_Bx1 = _bounds_per_sequence(eps_low_K, task_ids_B).astype(dtype)[:, None]
+  eps_high_Bx1 = _bounds_per_sequence(eps_high_K, task_ids_B).astype(dtype)[:, None]
+  log_ratio_BxT = jnp.clip(logp_BxT - old_BxT, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+  ratio_BxT = jnp.exp(log_ratio_BxT)
+  unclipped_BxT = -adv_BxT * ratio_BxT
+  clipped_BxT = -adv_BxT * jnp.clip(ratio_BxT, 1.0 - eps_low_Bx1, 1.0 + eps_high_Bx1)
+  return _Surrogate(dtype, mask_BxT, logp_BxT, old_BxT, adv_BxT, eps_low_Bx1, eps_high_Bx1,
+                    ratio_BxT, unclipped_BxT, clipped_BxT)
+
+
+def _selected(t: _Surrogate, cfg: LossConfig, rng, axis_name: Optional[str]):
+  return _covariance_tokens(t.logp_BxT, t.adv_BxT, t.mask_BxT, t.clipped_BxT > t.unclipped_BxT,
+                            cfg, rng, axis_name)
+
+
+def covariance_tokens(logprobs_BxT, old_logprobs_BxT, advantages_B, loss_mask_BxT, task_ids_B,
+                      eps_low_K, eps_high_K, *, cfg: LossConfig, axis_name: Optional[str] = None,
+                      rng: Optional[jax.Array] = None) -> jax.Array:
+  """[B, T] bool: the tokens Clip-Cov / KL-Cov (`cfg.policy_loss`) picks over this batch.
+
+  The choice `eppo_loss` makes itself; made once over a whole batch and passed to `eppo_loss` of
+  each of its parts (`selected_BxT`), it stays the whole batch's (gradient accumulation).
+  """
+  t = _surrogate(lax.stop_gradient(logprobs_BxT), old_logprobs_BxT, advantages_B, loss_mask_BxT,
+                 task_ids_B, eps_low_K, eps_high_K, cfg)
+  return _selected(t, cfg, rng, axis_name)
+
+
+def _regularised(pg_BxT, logp_BxT, mask_BxT, ref_logprobs_BxT, token_entropy_BxT,
+                 cfg: LossConfig):
+  """(per-token loss with the KL and entropy terms, KL [B,T] or None, entropy [B,T] or None)."""
+  dtype, tok_loss_BxT, kl_BxT, ent_BxT = pg_BxT.dtype, pg_BxT, None, None
+  if cfg.kl_coef != 0.0:
+    if ref_logprobs_BxT is None:
+      raise ValueError("kl_coef != 0 needs ref_logprobs_BxT")
+    ref_BxT = lax.stop_gradient(jnp.where(mask_BxT, ref_logprobs_BxT.astype(dtype), 0.0))
+    kl_BxT = kl_penalty(logp_BxT, ref_BxT, cfg.kl_estimator, cfg.kl_clamp)
+    tok_loss_BxT = tok_loss_BxT + cfg.kl_coef * kl_BxT
+  if token_entropy_BxT is not None:
+    ent_BxT = jnp.where(mask_BxT, token_entropy_BxT.astype(dtype), 0.0)
+  if cfg.entropy_coef != 0.0:
+    if ent_BxT is None:
+      raise ValueError("entropy_coef != 0 needs token_entropy_BxT")
+    tok_loss_BxT = tok_loss_BxT - cfg.entropy_coef * ent_BxT
+  return tok_loss_BxT, kl_BxT, ent_BxT
+
+
+def _token_means(per_token: dict, maskf_BxT, task_ids_B, num_tasks: int,
+                 axis_name: Optional[str], totals=None) -> dict[str, jax.Array]:
+  """Token-weighted means of each [B,T] metric over the loss tokens of every device, per task
+  (`<name>_K`) and global (`<name>`), plus the token counts. With `totals` (a part of a batch),
+  the means divide by the whole batch's counts: this part's share of them."""
+  names = list(per_token)
+  stacked_MxB = jnp.stack([jnp.sum(lax.stop_gradient(per_token[n]) * maskf_BxT, axis=1)
+                           for n in names] + [jnp.sum(maskf_BxT, axis=1)])
+  sums_MxK = jax.vmap(lambda x_B: jax.ops.segment_sum(x_B, task_ids_B, num_tasks))(stacked_MxB)
+  sums_MxK, sums_M = _sum_over_devices((sums_MxK, stacked_MxB.sum(axis=1)), axis_name)
+  count_K, count = sums_MxK[-1], sums_M[-1]
+  metrics = {"token_count_K": count_K.astype(jnp.int32), "token_count": count.astype(jnp.int32)}
+  if totals is not None:
+    count_K, count = totals.token_count_K, totals.tokens
+  for i, name in enumerate(names):
+    metrics[f"{name}_K"] = sums_MxK[i] / jnp.maximum(count_K, 1.0)
+    metrics[name] = sums_M[i] / jnp.maximum(count, 1.0)
+  return metrics
+
+
 def eppo_loss(logprobs_BxT: jax.Array,
               old_logprobs_BxT: jax.Array,
               advantages_B: jax.Array,
@@ -283,66 +400,51 @@ def eppo_loss(logprobs_BxT: jax.Array,
               cfg: LossConfig = LossConfig(),
               axis_name: Optional[str] = None,
               num_tasks: Optional[int] = None,
-              rng: Optional[jax.Array] = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+              rng: Optional[jax.Array] = None,
+              totals: Optional[LossTotals] = None,
+              selected_BxT: Optional[jax.Array] = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Task-wise clipped policy loss and its (global) metrics: (scalar, dict).
 
   `advantages_B` may also be per token ([B, T]); `eps_low_K`/`eps_high_K` may be scalars
   (then pass `num_tasks`, which otherwise defaults to K). `rng` is only read by Clip-Cov's
   random selection. Under pmap the returned loss is N_devices times this device's share of
   the global loss: the trainer pmeans the gradients (see the module docstring).
+
+  A part of a larger batch (a micro-batch) passes that batch's `totals` (`loss_totals`) and, for
+  Clip-Cov / KL-Cov, its token choice `selected_BxT` (`covariance_tokens`; `rng` is then unused):
+  the loss, its gradient and every metric (token counts included) are then this part's share,
+  and their sums over the parts are the whole batch's.
   """
-  dtype = jnp.promote_types(logprobs_BxT.dtype, jnp.float32)
-  mask_BxT = loss_mask_BxT > 0
+  t = _surrogate(logprobs_BxT, old_logprobs_BxT, advantages_B, loss_mask_BxT, task_ids_B,
+                 eps_low_K, eps_high_K, cfg)
+  dtype, mask_BxT, adv_BxT = t.dtype, t.mask_BxT, t.adv_BxT
+  logp_BxT, old_BxT, ratio_BxT = t.logp_BxT, t.old_BxT, t.ratio_BxT
+  eps_low_Bx1, eps_high_Bx1 = t.eps_low_Bx1, t.eps_high_Bx1
   maskf_BxT = mask_BxT.astype(dtype)
-  # Untrained positions are zeroed first: garbage there (e.g. -inf padding logprobs) must
-  # not turn into NaN, in the loss or in its gradient.
-  logp_BxT = jnp.where(mask_BxT, logprobs_BxT.astype(dtype), 0.0)
-  old_BxT = lax.stop_gradient(jnp.where(mask_BxT, old_logprobs_BxT.astype(dtype), 0.0))
-  adv_BxT = jnp.asarray(advantages_B, dtype)
-  adv_BxT = lax.stop_gradient(adv_BxT[:, None] if adv_BxT.ndim == 1 else adv_BxT)
-  adv_BxT = jnp.where(mask_BxT, adv_BxT, 0.0)
-  eps_low_Bx1 = _bounds_per_sequence(eps_low_K, task_ids_B).astype(dtype)[:, None]
-  eps_high_Bx1 = _bounds_per_sequence(eps_high_K, task_ids_B).astype(dtype)[:, None]
 
   # --- PPO-clip surrogate with each sequence's task bounds.
-  log_ratio_BxT = jnp.clip(logp_BxT - old_BxT, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
-  ratio_BxT = jnp.exp(log_ratio_BxT)
-  unclipped_BxT = -adv_BxT * ratio_BxT
-  clipped_BxT = -adv_BxT * jnp.clip(ratio_BxT, 1.0 - eps_low_Bx1, 1.0 + eps_high_Bx1)
-  pg_BxT = jnp.maximum(unclipped_BxT, clipped_BxT)
+  pg_BxT = jnp.maximum(t.unclipped_BxT, t.clipped_BxT)
   if cfg.dual_clip_c is not None:
     # For A < 0 a huge ratio means a huge loss; dual-clip caps it at -A * c.
     pg_BxT = jnp.where(adv_BxT < 0, jnp.minimum(pg_BxT, -adv_BxT * cfg.dual_clip_c), pg_BxT)
 
   # --- Covariance-based entropy controls (baselines).
-  selected_BxT = jnp.zeros_like(mask_BxT)
-  if cfg.policy_loss != "ppo_clip":
-    selected_BxT = _covariance_tokens(logp_BxT, adv_BxT, mask_BxT, clipped_BxT > unclipped_BxT,
-                                      cfg, rng, axis_name)
+  if cfg.policy_loss == "ppo_clip":
+    selected_BxT = jnp.zeros_like(mask_BxT)
+  else:
+    selected_BxT = (_selected(t, cfg, rng, axis_name) if selected_BxT is None
+                    else selected_BxT.astype(bool) & mask_BxT)
     if cfg.policy_loss == "clip_cov":
       pg_BxT = jnp.where(selected_BxT, lax.stop_gradient(pg_BxT), pg_BxT)
     else:  # kl_cov replaces the ratio clip by the penalty on the selected tokens
       penalty_BxT = cfg.kl_cov_coef * jnp.abs(logp_BxT - old_BxT)
-      pg_BxT = unclipped_BxT + jnp.where(selected_BxT, penalty_BxT, 0.0)
+      pg_BxT = t.unclipped_BxT + jnp.where(selected_BxT, penalty_BxT, 0.0)
 
   # --- Regularisers.
-  tok_loss_BxT = pg_BxT
-  kl_BxT = None
-  if cfg.kl_coef != 0.0:
-    if ref_logprobs_BxT is None:
-      raise ValueError("kl_coef != 0 needs ref_logprobs_BxT")
-    ref_BxT = lax.stop_gradient(jnp.where(mask_BxT, ref_logprobs_BxT.astype(dtype), 0.0))
-    kl_BxT = kl_penalty(logp_BxT, ref_BxT, cfg.kl_estimator, cfg.kl_clamp)
-    tok_loss_BxT = tok_loss_BxT + cfg.kl_coef * kl_BxT
-  ent_BxT = None
-  if token_entropy_BxT is not None:
-    ent_BxT = jnp.where(mask_BxT, token_entropy_BxT.astype(dtype), 0.0)
-  if cfg.entropy_coef != 0.0:
-    if ent_BxT is None:
-      raise ValueError("entropy_coef != 0 needs token_entropy_BxT")
-    tok_loss_BxT = tok_loss_BxT - cfg.entropy_coef * ent_BxT
+  tok_loss_BxT, kl_BxT, ent_BxT = _regularised(pg_BxT, logp_BxT, mask_BxT, ref_logprobs_BxT,
+                                               token_entropy_BxT, cfg)
 
-  loss = _aggregate(tok_loss_BxT, maskf_BxT, cfg, axis_name)
+  loss = _aggregate(tok_loss_BxT, maskf_BxT, cfg, axis_name, totals)
 
   # --- Metrics: per task and global, token-weighted over every device.
   if num_tasks is None:
@@ -361,16 +463,7 @@ def eppo_loss(logprobs_BxT: jax.Array,
     per_token["kl_ref"] = kl_BxT
   if ent_BxT is not None:
     per_token["entropy"] = ent_BxT
-  names = list(per_token)
-  stacked_MxB = jnp.stack([jnp.sum(lax.stop_gradient(per_token[n]) * maskf_BxT, axis=1)
-                           for n in names] + [jnp.sum(maskf_BxT, axis=1)])
-  sums_MxK = jax.vmap(lambda x_B: jax.ops.segment_sum(x_B, task_ids_B, num_tasks))(stacked_MxB)
-  sums_MxK, sums_M = _sum_over_devices((sums_MxK, stacked_MxB.sum(axis=1)), axis_name)
-  count_K, count = sums_MxK[-1], sums_M[-1]
-  metrics = {"token_count_K": count_K.astype(jnp.int32), "token_count": count.astype(jnp.int32)}
-  for i, name in enumerate(names):
-    metrics[f"{name}_K"] = sums_MxK[i] / jnp.maximum(count_K, 1.0)
-    metrics[name] = sums_M[i] / jnp.maximum(count, 1.0)
+  metrics = _token_means(per_token, maskf_BxT, task_ids_B, num_tasks, axis_name, totals)
   global_loss = lax.stop_gradient(loss)
   metrics["loss"] = global_loss if axis_name is None else lax.pmean(global_loss, axis_name)
   return loss, metrics

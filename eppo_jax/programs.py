@@ -77,7 +77,8 @@ def step_config(config: ml_collections.ConfigDict, model: ModelConfig,
   return steps.StepConfig(
       model=model, pacing=pacing_cfg, loss=loss_cfg, num_tasks=len(config.tasks.specs),
       num_groups=r.instances_per_step, temperature=r.temperature, ppo_epochs=o.ppo_epochs,
-      num_minibatches=o.num_minibatches, advantage_estimator=config.advantage_estimator,
+      num_minibatches=o.num_minibatches, micro_batches=o.micro_batches,
+      advantage_estimator=config.advantage_estimator,
       per_task_std=config.per_task_std, minibatch_sharding=meshlib.minibatch_sharding(mesh),
       # A reply has at most max_new_tokens loss tokens per turn.
       loss_tokens_per_row=agent.round_up(r.max_turns * r.max_new_tokens, 32),
@@ -121,6 +122,8 @@ def batch_spec(config: ml_collections.ConfigDict, step_cfg: steps.StepConfig,
               group_ids=((b,), np.int32), rewards=((b,), np.float32))
   if step_cfg.old_logprobs == "sampler":  # The rollout's numbers travel with the batch.
     spec.update({k: ((b, width), np.float32) for k in SAMPLER_KEYS})
+  if step_cfg.advantage_estimator in steps.TOKEN_ADVANTAGES:  # Computed on the host.
+    spec["advantages"] = ((b, width), np.float32)
   return spec
 
 
@@ -136,9 +139,12 @@ def jit_update(step_cfg: steps.StepConfig, tx, state_sharding, frozen_sharding,
 
 
 def jit_sft(model: ModelConfig, tx, trainable_sharding, opt_sharding, frozen_sharding,
-            mesh: jax.sharding.Mesh):
-  """`steps.sft_step` as one program over `mesh`, the params and optimizer state donated."""
-  return jax.jit(functools.partial(steps.sft_step, model=model, tx=tx),
+            mesh: jax.sharding.Mesh, micro_batches: int = 1):
+  """`steps.sft_step` as one program over `mesh`, the params and optimizer state donated; its
+  gradient accumulated over `micro_batches` parts of the batch."""
+  step = functools.partial(steps.sft_step, model=model, tx=tx, micro_batches=micro_batches,
+                           minibatch_sharding=meshlib.minibatch_sharding(mesh))
+  return jax.jit(step,
                  in_shardings=(trainable_sharding, opt_sharding, frozen_sharding,
                                meshlib.batch_sharding(mesh)),
                  out_shardings=(trainable_sharding, opt_sharding, meshlib.replicated(mesh)),

@@ -11,8 +11,9 @@ One RL update, as `train_step` composes it:
     update_inputs       loss positions, advantages, the reference policy's scores (KL)
     old_policy_scores   the sampling policy's log-probs and entropies (the ratio's denominator)
     pace                task entropies -> smoothed pacing state -> per-task clip bounds
-    ppo_updates         epochs x minibatches of `minibatch_update` (gradient, then `apply_update`,
-                        which skips a non-finite update)
+    ppo_updates         epochs x minibatches of `minibatch_update`: `minibatch_grads` (the
+                        gradient of `minibatch_loss`, summed over `micro_batches` parts), then
+                        `apply_update`, which skips a non-finite update
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class TrainState:
 
 
 OLD_LOGPROBS = ("recompute", "sampler")
+# Estimators whose advantages are computed on the host, per token, and enter the batch as
+# "advantages" [B,T] aligned with "tokens" (`eppo_jax.gigpo`).
+TOKEN_ADVANTAGES = ("gigpo",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +59,10 @@ class StepConfig:
   temperature: float = 1.0
   ppo_epochs: int = 1
   num_minibatches: int = 1
+  # Parts each minibatch's gradient is accumulated over, one at a time: activation memory of one
+  # part, the one optimizer update and its numbers of the whole minibatch (up to float rounding).
+  # The old-policy and reference passes run in the same parts.
+  micro_batches: int = 1
   advantage_estimator: str = "grpo"
   per_task_std: bool = False
   # The sharding of a [minibatches, rows, ...] stack, rows split like the batch
@@ -83,6 +91,8 @@ class StepConfig:
     if self.shared_prefix < 0 or self.group_size < 1:
       raise ValueError(f"shared_prefix {self.shared_prefix} must be >= 0 and group_size "
                        f"{self.group_size} >= 1")
+    if self.micro_batches < 1:
+      raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
     if self.loss_tokens_per_row is not None and self.loss_tokens_per_row < 1:
       raise ValueError(f"loss_tokens_per_row must be >= 1 or None, got {self.loss_tokens_per_row}")
 
@@ -182,8 +192,43 @@ def _finite(*trees) -> jax.Array:
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
+def _abs_mean(advantages, loss_mask_BxR) -> jax.Array:
+  """Mean |A| over the episodes ([b] advantages) or over the loss tokens ([b,R] advantages)."""
+  if advantages.ndim == 1:
+    return jnp.mean(jnp.abs(advantages))
+  return jnp.sum(jnp.abs(advantages)) / jnp.maximum(jnp.sum(loss_mask_BxR), 1)
+
+
 def _take(tree, i):
   return jax.tree_util.tree_map(lambda x: x[i], tree)
+
+
+def _in_parts(fn, rows: dict, parts: int, cfg: StepConfig):
+  """`fn` on `parts` consecutive slices of `rows` in turn (the activation memory of one slice), its
+  [rows / parts, ...] outputs joined back to [rows, ...]; `fn(rows)` itself for one part."""
+  if parts == 1:
+    return fn(rows)
+  b = rows["tokens"].shape[0]
+  out = lax.map(fn, _minibatches(rows, None, parts, cfg.minibatch_sharding))
+  return jax.tree_util.tree_map(lambda x: x.reshape((b,) + x.shape[2:]), out)
+
+
+def _accumulate(fn, parts):
+  """`fn` on each slice of `parts` (leading axis) in turn, `fn(part) = (summed, stacked)` ->
+  (the sum of `summed` over the parts, the [parts, ...] stack of `stacked`).
+
+  Floating-point sums are kept in float32 at least, then cast back to `fn`'s dtypes.
+  """
+  like = jax.eval_shape(fn, _take(parts, 0))[0]
+  wide = lambda d: jnp.promote_types(d, jnp.float32) if jnp.issubdtype(d, jnp.floating) else d
+  zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, wide(s.dtype)), like)
+
+  def body(total, part):
+    summed, stacked = fn(part)
+    return jax.tree_util.tree_map(lambda t, x: t + x.astype(t.dtype), total, summed), stacked
+
+  total, stacked = lax.scan(body, zeros, parts)
+  return jax.tree_util.tree_map(lambda t, s: t.astype(s.dtype), total, like), stacked
 
 
 def _score(params, mb: dict, cfg: StepConfig):
@@ -208,22 +253,32 @@ def update_inputs(params, batch: dict, cfg: StepConfig) -> tuple[dict, jax.Array
   full_mask_BxT = batch["loss_mask"][:, 1:].astype(bool) & valid_B[:, None]
   idx_BxR, loss_mask_BxR = loss_positions(full_mask_BxT, budget)
   over_budget = jnp.sum(jnp.maximum(full_mask_BxT.sum(axis=1) - budget, 0))
-  advantages_B = objective.grpo_advantages(
-      batch["rewards"], batch["group_ids"], cfg.num_groups, estimator=cfg.advantage_estimator,
-      task_ids=batch["task_ids"], num_tasks=cfg.num_tasks, per_task_std=cfg.per_task_std)
+  if cfg.advantage_estimator in TOKEN_ADVANTAGES:  # Per token: [b,R] at the scored positions.
+    advantages = jnp.take_along_axis(batch["advantages"][:, 1:], idx_BxR, axis=1)
+    advantages = jnp.where(loss_mask_BxR, advantages, 0.0)
+  else:  # Per episode: [b].
+    advantages = objective.grpo_advantages(
+        batch["rewards"], batch["group_ids"], cfg.num_groups, estimator=cfg.advantage_estimator,
+        task_ids=batch["task_ids"], num_tasks=cfg.num_tasks, per_task_std=cfg.per_task_std)
   data = {k: batch[k] for k in ("tokens", "attention_mask", "task_ids")}
-  data.update(idx=idx_BxR, loss_mask=loss_mask_BxR, advantages=advantages_B)
+  data.update(idx=idx_BxR, loss_mask=loss_mask_BxR, advantages=advantages)
   if cfg.loss.kl_coef:
     # The reference policy is the base model: the same params with the adapters left out.
     ref_params = transformer.layer_params(lora.base_params(params), cfg.model)  # Split once.
     in_order = _minibatches(data, None, cfg.num_minibatches, cfg.minibatch_sharding)
-    data["ref_logp"] = lax.map(lambda mb: _score(ref_params, mb, cfg)[0], in_order).reshape(b, -1)
+    ref_logp = lambda rows: _score(ref_params, rows, cfg)[0]
+    data["ref_logp"] = lax.map(lambda mb: _in_parts(ref_logp, mb, cfg.micro_batches, cfg),
+                               in_order).reshape(b, -1)
   return data, over_budget
 
 
 def minibatch_loss(trainable, frozen, mb: dict, key, eps_low_K, eps_high_K, old_logp_BxR,
-                   cfg: StepConfig):
-  """EPPO loss of one minibatch -> (loss, (metrics, log-probs [b,R], entropies [b,R]))."""
+                   cfg: StepConfig, totals: Optional[objective.LossTotals] = None):
+  """EPPO loss of one minibatch -> (loss, (metrics, log-probs [b,R], entropies [b,R])).
+
+  With `totals` (and for Clip-Cov / KL-Cov `mb["selected"]`), `mb` is a micro-batch of the
+  minibatch that they describe, and its loss and metrics are its share (`objective.eppo_loss`).
+  """
   logp_BxR, ent_BxR = _score(lora.combine(trainable, frozen), mb, cfg)
   # None: the old policy is this pass (nothing updated yet), the ratio exactly 1.
   old = lax.stop_gradient(logp_BxR) if old_logp_BxR is None else old_logp_BxR
@@ -232,7 +287,8 @@ def minibatch_loss(trainable, frozen, mb: dict, key, eps_low_K, eps_high_K, old_
                                  seq_norm_len=cfg.loss.seq_norm_len or mb["tokens"].shape[1] - 1)
   loss, metrics = objective.eppo_loss(
       logp_BxR, old, mb["advantages"], mb["loss_mask"], mb["task_ids"], eps_low_K, eps_high_K,
-      mb.get("ref_logp"), ent_BxR, cfg=loss_cfg, num_tasks=cfg.num_tasks, rng=key)
+      mb.get("ref_logp"), ent_BxR, cfg=loss_cfg, num_tasks=cfg.num_tasks, rng=key, totals=totals,
+      selected_BxT=mb.get("selected"))
   return loss, (metrics, lax.stop_gradient(logp_BxR), lax.stop_gradient(ent_BxR))
 
 
@@ -256,10 +312,51 @@ def apply_update(carry, loss, metrics: dict, grads, tx: optax.GradientTransforma
   return carry, metrics
 
 
+def _covariance_choice(trainable, frozen, mb: dict, key, eps_low_K, eps_high_K, old_logp_BxR,
+                       cfg: StepConfig):
+  """Clip-Cov / KL-Cov's tokens [b,R] over the whole minibatch, from a forward pass run in
+  `cfg.micro_batches` parts: the choice depends on every token's log-prob (before the gradient)."""
+  params = transformer.layer_params(lora.combine(trainable, frozen), cfg.model)
+  logp_BxR = _in_parts(lambda rows: _score(params, rows, cfg)[0], mb, cfg.micro_batches, cfg)
+  old_BxR = logp_BxR if old_logp_BxR is None else old_logp_BxR  # None: ratio 1, as in the loss.
+  return objective.covariance_tokens(logp_BxR, old_BxR, mb["advantages"], mb["loss_mask"],
+                                     mb["task_ids"], eps_low_K, eps_high_K, cfg=cfg.loss, rng=key)
+
+
+def minibatch_grads(trainable, frozen, mb: dict, key, eps_low_K, eps_high_K, old_logp_BxR,
+                    cfg: StepConfig):
+  """`minibatch_loss` and its gradient -> ((loss, (metrics, log-probs, entropies)), grads).
+
+  With `cfg.micro_batches` > 1 the minibatch runs in that many parts, one at a time, each scored
+  against the whole minibatch's normalisers (and Clip-Cov / KL-Cov token choice), and the parts'
+  losses, metrics and gradients are summed: the whole minibatch's numbers up to float rounding,
+  at the activation memory of one part.
+  """
+  grad_fn = jax.value_and_grad(minibatch_loss, has_aux=True)
+  n, b = cfg.micro_batches, mb["tokens"].shape[0]
+  if n == 1:
+    return grad_fn(trainable, frozen, mb, key, eps_low_K, eps_high_K, old_logp_BxR, cfg)
+  totals = objective.loss_totals(mb["loss_mask"], mb["task_ids"], cfg.num_tasks)
+  if cfg.loss.policy_loss != "ppo_clip":
+    mb = dict(mb, selected=_covariance_choice(trainable, frozen, mb, key, eps_low_K, eps_high_K,
+                                              old_logp_BxR, cfg))
+  if old_logp_BxR is not None:
+    mb = dict(mb, old_logp=old_logp_BxR)
+
+  def part(rows):
+    (loss, (metrics, logp, ent)), grads = grad_fn(trainable, frozen, rows, key, eps_low_K,
+                                                  eps_high_K, rows.get("old_logp"), cfg, totals)
+    return (loss, metrics, grads), (logp, ent)
+
+  (loss, metrics, grads), (logp, ent) = _accumulate(
+      part, _minibatches(mb, None, n, cfg.minibatch_sharding))
+  return (loss, (metrics, logp.reshape(b, -1), ent.reshape(b, -1))), grads
+
+
 def minibatch_update(carry, frozen, mb: dict, key, eps_low_K, eps_high_K, cfg: StepConfig, tx):
-  """Gradient of one minibatch's loss, then `apply_update` -> (carry, metrics)."""
-  (loss, (metrics, _, _)), grads = jax.value_and_grad(minibatch_loss, has_aux=True)(
-      carry[0], frozen, mb, key, eps_low_K, eps_high_K, mb["old_logp"], cfg)
+  """`minibatch_grads` of one minibatch, then `apply_update` -> (carry, metrics)."""
+  (loss, (metrics, _, _)), grads = minibatch_grads(carry[0], frozen, mb, key, eps_low_K,
+                                                   eps_high_K, mb["old_logp"], cfg)
   return apply_update(carry, loss, metrics, grads, tx)
 
 
@@ -274,7 +371,7 @@ def old_policy_scores(state: TrainState, frozen, data: dict, batch: dict, key, c
   strictly inside every [1 - eps_low, 1 + eps_high], so neither its gradient nor its metrics depend
   on the bounds (nor do the KL, the entropy bonus or Clip-Cov / KL-Cov's token choice), and its own
   pass (stop-gradient) is the old policy's. Only the other minibatches need a separate pass with the
-  pre-update params, one at a time to bound its activation memory.
+  pre-update params, one micro-batch at a time to bound its activation memory.
   """
   b, m = batch["tokens"].shape[0], cfg.num_minibatches
   if cfg.old_logprobs == "sampler":
@@ -286,14 +383,16 @@ def old_policy_scores(state: TrainState, frozen, data: dict, batch: dict, key, c
     return old_logp_BxR, entropy_BxR, None
   placeholder_K = jnp.ones((cfg.num_tasks,), jnp.float32)  # Any positive bounds: unused at r = 1.
   in_order = _minibatches(data, None, m, cfg.minibatch_sharding)
-  (loss0, (metrics0, logp0, ent0)), grads0 = jax.value_and_grad(minibatch_loss, has_aux=True)(
+  (loss0, (metrics0, logp0, ent0)), grads0 = minibatch_grads(
       state.trainable, frozen, _take(in_order, 0), key, placeholder_K, placeholder_K, None, cfg)
   first = apply_update((state.trainable, state.opt_state), loss0, metrics0, grads0, tx)
   old_logp, entropy = logp0[None], ent0[None]
   if m > 1:
     rest = jax.tree_util.tree_map(lambda x: x[1:], in_order)
     old_params = transformer.layer_params(lora.combine(state.trainable, frozen), cfg.model)
-    old_rest, ent_rest = lax.map(lambda mb: _score(old_params, mb, cfg), rest)
+    old_scores = lambda rows: _score(old_params, rows, cfg)
+    old_rest, ent_rest = lax.map(lambda mb: _in_parts(old_scores, mb, cfg.micro_batches, cfg),
+                                 rest)
     old_logp = jnp.concatenate([old_logp, old_rest])
     entropy = jnp.concatenate([entropy, ent_rest])
   return old_logp.reshape(b, -1), entropy.reshape(b, -1), first
@@ -353,12 +452,12 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
   `cfg.old_logprobs == "sampler"` also logprobs / entropies [B,T] float32 (the sampler's number for
   each token). Returns (new state, metrics).
   """
-  b, m = batch["tokens"].shape[0], cfg.num_minibatches
-  if b % m:
-    raise ValueError(f"batch {b} is not divisible by {m} minibatches")
-  if cfg.shared_prefix and (b // m) % cfg.group_size:
+  b, m, n = batch["tokens"].shape[0], cfg.num_minibatches, cfg.micro_batches
+  if b % (m * n):
+    raise ValueError(f"batch {b} is not divisible by {m} minibatches x {n} micro-batches")
+  if cfg.shared_prefix and (b // (m * n)) % cfg.group_size:
     raise ValueError(f"a shared prefix needs whole groups of {cfg.group_size} rows in each "
-                     f"minibatch of {b // m}")
+                     f"minibatch (or micro-batch) of {b // (m * n)}")
   data, over_budget = update_inputs(lora.combine(state.trainable, frozen), batch, cfg)
   rng_epochs = jax.random.split(rng, cfg.ppo_epochs)
   first_key = jax.random.split(jax.random.split(rng_epochs[0])[1], m)[0]  # The first update's.
@@ -370,8 +469,8 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
       (state.trainable, state.opt_state), frozen, data, rng_epochs, eps_low_K, eps_high_K, first,
       cfg, tx)
   metrics = {k: (v.sum(0) if k == "skipped" else v.mean(0)) for k, v in per_update.items()}
-  metrics.update(pacing_metrics, advantage_abs_mean=jnp.mean(jnp.abs(data["advantages"])),
-                 loss_tokens_over_budget=over_budget.astype(jnp.int32))
+  metrics.update(pacing_metrics, loss_tokens_over_budget=over_budget.astype(jnp.int32),
+                 advantage_abs_mean=_abs_mean(data["advantages"], data["loss_mask"]))
   new_state = TrainState(step=state.step + 1, trainable=trainable, opt_state=opt_state,
                          pacing=new_pacing)
   return new_state, metrics
@@ -381,18 +480,35 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
 # Supervised warm start.
 
 
-def sft_loss(params, model: ModelConfig, batch: dict):
-  """Token-mean NLL of the loss-masked (assistant) tokens of the batch."""
+def sft_loss(params, model: ModelConfig, batch: dict, total_tokens=None):
+  """Token-mean NLL of the loss-masked (assistant) tokens of the batch; with `total_tokens`, the
+  batch's share of the mean over a larger batch that holds that many loss tokens."""
   logp_BxT, _ = sequence_logprobs(params, model, batch["tokens"], batch["attention_mask"], 1.0)
   mask_BxT = batch["loss_mask"][:, 1:].astype(jnp.float32)
-  return jnp.sum(-logp_BxT * mask_BxT) / jnp.maximum(jnp.sum(mask_BxT), 1.0)
+  count = jnp.sum(mask_BxT) if total_tokens is None else total_tokens
+  return jnp.sum(-logp_BxT * mask_BxT) / jnp.maximum(count, 1.0)
 
 
 def sft_step(trainable, opt_state, frozen, batch: dict, *, model: ModelConfig,
-             tx: optax.GradientTransformation):
-  """One supervised update on expert demonstrations -> (trainable, opt_state, metrics)."""
-  loss, grads = jax.value_and_grad(lambda t: sft_loss(lora.combine(t, frozen), model, batch))(
-      trainable)
+             tx: optax.GradientTransformation, micro_batches: int = 1, minibatch_sharding=None):
+  """One supervised update on expert demonstrations -> (trainable, opt_state, metrics).
+
+  With `micro_batches` > 1 the gradient is summed over that many parts of the batch, run in turn
+  (`minibatch_sharding` lays out their [parts, rows, ...] stack, see `StepConfig`).
+  """
+  def loss_and_grads(rows, total_tokens=None):
+    return jax.value_and_grad(lambda t: sft_loss(lora.combine(t, frozen), model, rows,
+                                                 total_tokens))(trainable)
+
+  b = batch["tokens"].shape[0]
+  if b % micro_batches:
+    raise ValueError(f"SFT batch {b} is not divisible by {micro_batches} micro-batches")
+  if micro_batches == 1:
+    loss, grads = loss_and_grads(batch)
+  else:
+    total = jnp.sum(batch["loss_mask"][:, 1:].astype(jnp.float32))
+    parts = _minibatches(batch, None, micro_batches, minibatch_sharding)
+    (loss, grads), _ = _accumulate(lambda rows: (loss_and_grads(rows, total), ()), parts)
   updates, opt_state = tx.update(grads, opt_state, trainable)
   return (optax.apply_updates(trainable, updates), opt_state,
           {"sft_loss": loss, "sft_grad_norm": optax.tree.norm(grads)})

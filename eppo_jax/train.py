@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from eppo_jax import (agent, config_check, hosts, interrupt, lora, metrics, programs, steps,
-                      workdir as workdir_lib)
+from eppo_jax import (agent, config_check, gigpo, groups, hosts, interrupt, lora, metrics, programs,
+                      steps, workdir as workdir_lib)
 from eppo_jax import mesh as meshlib
 from eppo_jax.checkpoint import Checkpointer
 from eppo_jax.envs import registry
@@ -113,19 +113,32 @@ def stop_token_ids(tokenizer) -> list[int]:
                                            tokenizer.get_vocab()})
 
 
-def batch_arrays(episodes: agent.EpisodeBatch, group_offset: int, sampler: bool = False) -> dict:
-  """The train_step inputs, padded to a sequence length that every host agrees on; episodes left
-  out of the update carry a NaN reward (`agent.training_rewards`). `sampler` adds the sampler's
-  per-token log-probs and entropies."""
-  keys = programs.BATCH_KEYS + (programs.SAMPLER_KEYS if sampler else ())
-  arrays = {k: getattr(episodes, k) for k in keys}
+def batch_arrays(episodes: agent.EpisodeBatch, group_offset: int, keys: tuple[str, ...],
+                 advantages=None, keep_rows=None) -> dict:
+  """The train_step inputs `keys`, padded to a sequence length that every host agrees on.
+  Episodes left out of the update carry a NaN reward (`agent.training_rewards`), and so do the
+  rows `keep_rows` leaves out; `advantages` [B,T] are host-computed per-token advantages."""
+  arrays = {k: getattr(episodes, k) for k in keys if k != "advantages"}
   arrays["rewards"] = agent.training_rewards(episodes)
+  if keep_rows is not None:
+    arrays["rewards"] = np.where(keep_rows, arrays["rewards"], np.nan).astype(np.float32)
+  if advantages is not None:
+    arrays["advantages"] = np.where(np.isfinite(arrays["rewards"])[:, None], advantages, 0.0)
   arrays["group_ids"] = arrays["group_ids"] + group_offset  # Globally unique over hosts.
   width = hosts.global_max(arrays["tokens"].shape[1])
-  for key in keys:
+  for key in arrays:
     if arrays[key].ndim == 2:
       arrays[key] = np.pad(arrays[key], ((0, 0), (0, width - arrays[key].shape[1])))
   return arrays
+
+
+def gather_episodes(episodes: agent.EpisodeBatch) -> agent.EpisodeBatch:
+  """Every host's episodes, for metrics (the per-turn records, read by this host's update only,
+  stay behind)."""
+  fields = dataclasses.asdict(episodes)
+  for name in agent.PER_TURN_FIELDS:
+    fields.pop(name)
+  return agent.EpisodeBatch(**hosts.gather_hosts(fields))
 
 
 def this_host(items: list) -> list:
@@ -230,8 +243,7 @@ class Trainer:
     instances = [agent.Instance(k, self.specs[k], seed)
                  for k, seed in self.sampler.eval_instances(n)]
     episodes = self.play(self.policy(self.keys["eval"], greedy=True), this_host(instances), 1)
-    episodes = agent.EpisodeBatch(**hosts.gather_hosts(dataclasses.asdict(episodes)))
-    return metrics.episode_metrics(episodes, len(self.specs), "eval_")
+    return metrics.episode_metrics(gather_episodes(episodes), len(self.specs), "eval_")
 
   # --------------------------------------------------------------------------------------------
   # SFT.
@@ -302,21 +314,54 @@ class Trainer:
                  shared_prefix)
     return self._updates[shared_prefix]
 
-  def rl_step(self, step: int) -> tuple[dict, dict]:
-    """Plays this step's episodes and updates the policy on them -> (scalars, per-task arrays)."""
-    r, start = self.config.rollout, time.time()
+  def play_step(self, step: int) -> tuple[agent.EpisodeBatch, dict]:
+    """This host's episodes for the update, with dynamic sampling from up to 1 + extra_rounds
+    rounds of instances -> (episodes, zero-variance scalars and per-task arrays)."""
+    r = self.config.rollout
     per_host = r.instances_per_step // jax.process_count()
     offset = jax.process_index() * per_host
-    drawn = self.sampler.sample(r.instances_per_step)[offset:offset + per_host]
-    instances = [agent.Instance(k, self.specs[k], seed) for k, seed in drawn]
+    rounds, key = [], jax.random.fold_in(self.keys["rollout"], step)
+    for i in range(1 + (r.extra_rounds if r.dynamic_sampling else 0)):
+      drawn = self.sampler.sample(r.instances_per_step)[offset:offset + per_host]
+      instances = [agent.Instance(k, self.specs[k], seed) for k, seed in drawn]
+      policy = self.policy(jax.random.fold_in(key, i) if i else key, greedy=False)
+      rounds.append(self.play(policy, instances, r.group_size))
+      played = groups.concat(rounds)
+      # Another round only while some host lacks groups whose rewards differ (a global choice).
+      if not r.dynamic_sampling or not hosts.global_max(
+          per_host - int((~groups.zero_variance(played)).sum()) > 0):
+        break
+    episodes, shortfall = groups.select_groups(played, per_host)
+    # [2, K] zero-variance and all groups per task, and the shortfall, summed over hosts.
+    counts = np.concatenate([groups.per_task_zero_variance(played, len(self.specs)).ravel(),
+                             [shortfall]])
+    total = hosts.gather_hosts({"c": counts[None]})["c"].sum(0)
+    zero_K, groups_K = total[:-1].reshape(2, -1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+      per_task = {"zero_variance_groups": np.where(groups_K > 0, zero_K / groups_K, np.nan)}
+    scalars = {"zero_variance_groups": zero_K.sum() / max(groups_K.sum(), 1)}
+    if r.dynamic_sampling:
+      scalars.update({"dynamic_sampling/rounds": len(rounds),
+                      "dynamic_sampling/shortfall": total[-1]})
+    return episodes, (scalars, per_task)
+
+  def rl_step(self, step: int) -> tuple[dict, dict]:
+    """Plays this step's episodes and updates the policy on them -> (scalars, per-task arrays)."""
+    r, c, start = self.config.rollout, self.config, time.time()
     self.stepper.seconds = 0.0
-    policy = self.policy(jax.random.fold_in(self.keys["rollout"], step), greedy=False)
-    episodes = self.play(policy, instances, r.group_size)
+    episodes, (group_scalars, group_per_task) = self.play_step(step)
     env_s, play_s = self.stepper.seconds, time.time() - start
     steps.check_loss_budget(episodes.loss_mask, self.step_cfg.loss_tokens_per_row)
-    arrays = batch_arrays(episodes, offset, sampler=self.step_cfg.old_logprobs == "sampler")
+    keep = groups.spread_filter(episodes, r.keep_groups) if r.keep_groups < 1 else None
+    advantages = None
+    if c.advantage_estimator == "gigpo":  # Whole groups are on this host: no gather needed.
+      advantages = gigpo.token_advantages(episodes, gamma=c.gigpo.gamma, omega=c.gigpo.omega,
+                                          step_normalize=c.gigpo.step_normalize)
+    offset = jax.process_index() * (r.instances_per_step // jax.process_count())
+    arrays = batch_arrays(episodes, offset, tuple(programs.batch_spec(c, self.step_cfg, 1)),
+                          advantages, keep)
     shared = 0
-    if self.config.optim.share_prompt:  # The shortest over hosts: one program for the batch.
+    if c.optim.share_prompt:  # The shortest over hosts: one program for the batch.
       shared = -hosts.global_max(-steps.shared_prefix_length(
           arrays["tokens"], arrays["attention_mask"], arrays["loss_mask"], r.group_size))
     batch = hosts.put_rows(arrays, self.mesh)
@@ -324,9 +369,11 @@ class Trainer:
       self.state, update = self.update_fn(shared)(
           self.state, self.frozen, batch, jax.random.fold_in(self.keys["train"], step))
     update = hosts.fetch(update)
-    everyone = agent.EpisodeBatch(**hosts.gather_hosts(dataclasses.asdict(episodes)))
+    everyone = gather_episodes(episodes)
     scalars, per_task = metrics.step_metrics(everyone, update, len(self.specs), play_s, env_s,
                                              time.time() - start)
+    scalars.update(group_scalars)
+    per_task.update(group_per_task)
     self._watch(step, scalars, update, everyone)
     return scalars, per_task
 

@@ -31,7 +31,8 @@ RUN_INFO_FILE = "run_info.json"
 # Fields that change how the same computation is laid out and run, not what it computes (results
 # differ by rounding at most). A prefix ending in "." covers a whole section.
 LAYOUT_FIELDS = ("distributed.", "mesh.", "model.remat", "model.attention_impl",
-                 "model.attention_block_q", "model.attention_block_k", "train.compilation_cache")
+                 "model.attention_block_q", "model.attention_block_k", "train.compilation_cache",
+                 "optim.micro_batches")
 # Fields that a resumed run may change without the override: they do not change what the steps
 # already taken mean.
 SAFE_CHANGES = ("train.num_steps", "train.eval_every", "train.eval_instances_per_task",

@@ -165,7 +165,7 @@ def test_export_through_epath_copies_weights_and_tokenizer(hf_checkpoints, small
   copied = []
   path_type = type(epath.Path(tmp_path))
   real_copy = path_type.copy
-  monkeypatch.setattr(hf, "_is_remote", lambda path: True)
+  monkeypatch.setattr(hf.workdir_lib, "url_scheme", lambda path: "gs")
   monkeypatch.setattr(path_type, "copy", lambda self, dst, overwrite=False: (
       copied.append(epath.Path(dst).name), real_copy(self, dst, overwrite=overwrite))[1])
   out = eppo_jax.export_hf(pre.params, pre.config, epath.Path(tmp_path / "export"),

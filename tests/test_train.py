@@ -137,12 +137,12 @@ def _step_config(minibatches: int) -> steps.StepConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def _train_fn(devices: int, minibatches: int):
+def _train_fn(devices: int, minibatches: int, estimator: str = "grpo"):
   """(host state, batch, key) -> host (state, metrics): train_step compiled as the trainer
   compiles it (`programs.jit_update`), on a data-parallel mesh of `devices` devices."""
   tx = programs.make_optimizer(3e-3, 0, 0.0, 1.0)
   mesh = meshlib.make_mesh(meshlib.DATA_ONLY, jax.devices()[:devices])
-  cfg = dataclasses.replace(_step_config(minibatches),
+  cfg = dataclasses.replace(_step_config(minibatches), advantage_estimator=estimator,
                             minibatch_sharding=meshlib.minibatch_sharding(mesh))
   state_sh = meshlib.shardings(_initial_state(tx), mesh)
   update = programs.jit_update(cfg, tx, state_sh, {}, mesh)
@@ -229,6 +229,32 @@ def test_nonfinite_rewards_are_left_out_of_the_update():
   changed, _ = fn(state, control, key)
   assert any(not np.array_equal(x, y) for x, y in zip(jax.tree_util.tree_leaves(changed.trainable),
                                                       jax.tree_util.tree_leaves(new.trainable)))
+
+
+def test_token_advantages_reach_the_update():
+  """Host-computed per-token advantages ("gigpo": batch key "advantages" [B,T]) drive the update:
+  the GRPO advantages written per token give GRPO's update on 4 devices, and changing the
+  advantage of one loss token changes it."""
+  grpo, tx = _train_fn(D, 2)
+  per_token, _ = _train_fn(D, 2, "gigpo")
+  batch, key = _batch(0), jax.random.PRNGKey(4)
+  state = _initial_state(tx)
+  valid = np.isfinite(batch["rewards"])
+  adv_B = np_advantages(batch["rewards"], batch["group_ids"], valid).astype(np.float32)
+  tokens = {**batch, "advantages": np.where(batch["loss_mask"], adv_B[:, None], 0.0)}
+  expected, expected_metrics = grpo(state, batch, key)
+  got, got_metrics = per_token(state, tokens, key)
+  for x, y in zip(jax.tree_util.tree_leaves(expected.trainable),
+                  jax.tree_util.tree_leaves(got.trainable)):
+    np.testing.assert_allclose(y, x, atol=1e-6, rtol=1e-5)
+  np.testing.assert_allclose(got_metrics["pg_loss_K"], expected_metrics["pg_loss_K"], rtol=1e-5,
+                             atol=1e-7)
+  row = 6
+  col = np.flatnonzero(batch["loss_mask"][row])[2]
+  tokens["advantages"][row, col] += 5.0
+  moved, _ = per_token(state, tokens, key)
+  assert any(not np.allclose(x, y) for x, y in zip(jax.tree_util.tree_leaves(moved.trainable),
+                                                   jax.tree_util.tree_leaves(got.trainable)))
 
 
 def test_nonfinite_gradient_skips_the_update():
@@ -349,6 +375,8 @@ jax.monitoring.register_event_duration_secs_listener(
     ({"method": "ppo2"}, "config.method"),
     ({"rollout.instances_per_step": 3}, "config.rollout.instances_per_step"),
     ({"optim.num_minibatches": 3}, "config.optim.num_minibatches"),
+    ({"optim.micro_batches": 0}, "config.optim.micro_batches=0 must be >= 1"),
+    ({"optim.micro_batches": 2}, "config.optim.micro_batches=2"),
     ({"tasks.specs": ("sokoban:easy", "chess:easy")}, "config.tasks.specs"),
     ({"tasks.specs": ("sokoban:impossible",)}, "config.tasks.specs"),
     ({"rollout.group_size": 1, "rollout.instances_per_step": 4}, "config.rollout.group_size"),
