@@ -236,6 +236,87 @@ class EnvStepper:
     return results
 
 
+class _Playing:
+  """The host-side record of `n` episodes played in lock step: each conversation's tokens in
+  order, what the next turn shows, and the per-episode outcome so far."""
+
+  def __init__(self, n: int, max_turns: int):
+    self.conv = [[] for _ in range(n)]  # Token ids of each conversation, in order.
+    self.conv_mask = [[] for _ in range(n)]  # True on generated tokens.
+    self.conv_scores = [[] for _ in range(n)]  # (logprob, entropy) per token, (0, 0) off replies.
+    self.conv_turn = [[] for _ in range(n)]  # Turn index of each generated token, -1 elsewhere.
+    self.pending = [[] for _ in range(n)]  # Tokens each conversation still has to show the policy.
+    self.shown = [-1] * n  # observation_hash of the observation the next turn answers.
+    self.step_rewards = np.zeros((n, max_turns), np.float32)
+    self.step_states = np.full((n, max_turns), -1, np.int64)
+    self.rewards, self.turns = np.zeros(n, np.float32), np.zeros(n, np.int32)
+    self.invalid = np.zeros(n, np.int32)
+    self.success, self.failed = np.zeros(n, bool), np.zeros(n, bool)
+    self.truncated, self.active = np.zeros(n, bool), np.ones(n, bool)
+
+  def show(self, b: int, tokens: list[int], observation: str) -> None:
+    self.pending[b] = tokens
+    self.shown[b] = observation_hash(observation)
+
+  def fail(self, b: int) -> None:
+    self.pending[b] = []
+    self.failed[b], self.active[b] = True, False
+
+  def record_reply(self, b: int, generated: list[int], scores_2xN: np.ndarray) -> None:
+    """Appends what the turn showed episode `b` and its reply; the turn is counted."""
+    pending = self.pending[b]
+    self.conv[b] += pending + generated
+    self.conv_mask[b] += [False] * len(pending) + [True] * len(generated)
+    self.conv_scores[b] += [(0.0, 0.0)] * len(pending) + list(zip(*scores_2xN))
+    self.conv_turn[b] += [-1] * len(pending) + [int(self.turns[b])] * len(generated)
+    self.step_states[b, self.turns[b]] = self.shown[b]
+    self.turns[b] += 1
+
+  def record_step(self, b: int, result, chat: ChatFormat) -> None:
+    """The environment's answer to episode `b`'s last reply."""
+    observation, reward, done, info = result
+    if info.get("failed"):
+      self.failed[b], self.active[b] = True, False
+      return
+    self.rewards[b] += reward
+    self.step_rewards[b, self.turns[b] - 1] = reward
+    self.invalid[b] += int(info.get("invalid_action", False))
+    self.success[b] = bool(info.get("won", False))
+    self.truncated[b] = bool(info.get("truncated", False))
+    conv, mask = self.conv[b], self.conv_mask[b]
+    stopped = bool(conv) and conv[-1] in chat.stop_token_ids and mask[-1]
+    if done:
+      self.active[b] = False
+    else:
+      self.show(b, chat.next_turn(observation, stopped), observation)
+
+  def batch(self, episodes: Sequence[tuple[int, Instance]], pad_id: int,
+            length_multiple: int) -> EpisodeBatch:
+    """The episodes as right-padded arrays of one bucketed width."""
+    n, conv = len(episodes), self.conv
+    width = round_up(max([1] + [len(c) for c in conv]), length_multiple)
+    tokens = np.full((n, width), pad_id, np.int32)
+    attention, loss = np.zeros((n, width), bool), np.zeros((n, width), bool)
+    sampled = np.zeros((2, n, width), np.float32)
+    turn_ids = np.full((n, width), -1, np.int32)
+    for b in range(n):
+      tokens[b, :len(conv[b])] = conv[b]
+      turn_ids[b, :len(conv[b])] = self.conv_turn[b]
+      attention[b, :len(conv[b])] = True
+      loss[b, :len(conv[b])] = self.conv_mask[b]
+      if conv[b]:
+        sampled[:, b, :len(conv[b])] = np.asarray(self.conv_scores[b], np.float32).T
+    return EpisodeBatch(
+        tokens=tokens, attention_mask=attention, loss_mask=loss, logprobs=sampled[0],
+        entropies=sampled[1],
+        task_ids=np.array([inst.task_id for _, inst in episodes], np.int32),
+        group_ids=np.array([g for g, _ in episodes], np.int32),
+        rewards=self.rewards, success=self.success, turns=self.turns,
+        invalid_actions=self.invalid, failed=self.failed,
+        truncated=(self.truncated | self.active) & ~self.success, turn_ids=turn_ids,
+        step_rewards=self.step_rewards, step_states=self.step_states)
+
+
 def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str], object],
                      instances: Sequence[Instance], group_size: int, *, max_turns: int,
                      max_new_tokens: int, max_slots: int, stepper: Optional[EnvStepper] = None,
@@ -262,39 +343,26 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
   for env in prompt_envs.values():
     env.close()
   pool = stepper.pool([inst.spec for _, inst in episodes], make_env)
-  conv = [[] for _ in range(n)]  # Token ids of each conversation, in order.
-  conv_mask = [[] for _ in range(n)]  # True on generated tokens.
-  conv_scores = [[] for _ in range(n)]  # (logprob, entropy) of each token (0, 0 off the replies).
-  conv_turn = [[] for _ in range(n)]  # Turn index of each generated token, -1 elsewhere.
-  shown = [-1] * n  # observation_hash of the observation the next turn answers.
-  step_rewards = np.zeros((n, max_turns), np.float32)
-  step_states = np.full((n, max_turns), -1, np.int64)
-  pending = []  # Tokens each conversation still has to show the policy.
-  rewards, turns, invalid = np.zeros(n, np.float32), np.zeros(n, np.int32), np.zeros(n, np.int32)
-  success, failed, truncated = np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool)
-  active = np.ones(n, bool)
+  play = _Playing(n, max_turns)
   resets = stepper.call(pool.reset, [inst.seed for _, inst in episodes])
   for b, (observation, info) in enumerate(resets):
     if info.get("failed"):
-      pending.append([])
-      failed[b], active[b] = True, False
+      play.fail(b)
     else:
-      pending.append(chat.prompt(systems[episodes[b][1].spec], observation))
-      shown[b] = observation_hash(observation)
+      play.show(b, chat.prompt(systems[episodes[b][1].spec], observation), observation)
 
-  state, slots = None, 0
+  state, slots, active = None, 0, play.active
   for _ in range(max_turns):
-    longest = max((len(p) for p, a in zip(pending, active) if a), default=1)
+    longest = max((len(p) for p, a in zip(play.pending, active) if a), default=1)
     # The turn's one collective: every host decides from the same numbers.
     rows, live, longest = hosts.global_max([n, int(active.sum()), longest])
     width = round_up(int(longest), length_multiple)
     if slots + width + max_new_tokens > max_slots:
-      truncated |= active  # The next turn would overflow the cache.
-      break
+      break  # The next turn would overflow the cache: live episodes end truncated.
     if not live:
       break
-    chunk, chunk_mask = left_pad([p if a else [] for p, a in zip(pending, active)], [width],
-                                 pad_id)
+    chunk, chunk_mask = left_pad([p if a else [] for p, a in zip(play.pending, active)],
+                                 [width], pad_id)
     reply, reply_mask, state, *scores = policy(chunk, chunk_mask, state, active.copy(),
                                                Agreed(rows=int(rows), live=int(live)))
     reply, reply_mask = np.asarray(reply), np.asarray(reply_mask, bool)
@@ -305,52 +373,13 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
     actions = []
     for b in stepping:
       generated = reply[b][reply_mask[b]].tolist()
-      conv[b] += pending[b] + generated
-      conv_mask[b] += [False] * len(pending[b]) + [True] * len(generated)
-      conv_scores[b] += [(0.0, 0.0)] * len(pending[b]) + list(zip(*scores[:, b][:, reply_mask[b]]))
-      conv_turn[b] += [-1] * len(pending[b]) + [int(turns[b])] * len(generated)
-      step_states[b, turns[b]] = shown[b]
+      play.record_reply(b, generated, scores[:, b][:, reply_mask[b]])
       actions.append(parse_action(chat.tokenizer.decode(generated, skip_special_tokens=True)))
-      turns[b] += 1
     results = stepper.call(pool.step, actions, stepping) if len(stepping) else []
-    for b, (observation, reward, done, info) in zip(stepping, results):
-      if info.get("failed"):
-        failed[b], active[b] = True, False
-        continue
-      rewards[b] += reward
-      step_rewards[b, turns[b] - 1] = reward
-      invalid[b] += int(info.get("invalid_action", False))
-      success[b] = bool(info.get("won", False))
-      truncated[b] = bool(info.get("truncated", False))
-      stopped = bool(conv[b]) and conv[b][-1] in chat.stop_token_ids and conv_mask[b][-1]
-      if done:
-        active[b] = False
-      else:
-        pending[b] = chat.next_turn(observation, stopped)
-        shown[b] = observation_hash(observation)
-  truncated |= active  # Still playing after max_turns.
-  pool.close()
-
-  width = round_up(max([1] + [len(c) for c in conv]), length_multiple)
-  tokens = np.full((n, width), pad_id, np.int32)
-  attention, loss = np.zeros((n, width), bool), np.zeros((n, width), bool)
-  sampled = np.zeros((2, n, width), np.float32)
-  turn_ids = np.full((n, width), -1, np.int32)
-  for b in range(n):
-    tokens[b, :len(conv[b])] = conv[b]
-    turn_ids[b, :len(conv[b])] = conv_turn[b]
-    attention[b, :len(conv[b])] = True
-    loss[b, :len(conv[b])] = conv_mask[b]
-    if conv[b]:
-      sampled[:, b, :len(conv[b])] = np.asarray(conv_scores[b], np.float32).T
-  return EpisodeBatch(
-      tokens=tokens, attention_mask=attention, loss_mask=loss, logprobs=sampled[0],
-      entropies=sampled[1],
-      task_ids=np.array([inst.task_id for _, inst in episodes], np.int32),
-      group_ids=np.array([g for g, _ in episodes], np.int32),
-      rewards=rewards, success=success, turns=turns, invalid_actions=invalid, failed=failed,
-      truncated=truncated & ~success, turn_ids=turn_ids, step_rewards=step_rewards,
-      step_states=step_states)
+    for b, result in zip(stepping, results):
+      play.record_step(b, result, chat)
+  pool.close()  # Episodes still playing (max_turns, or the cache) end truncated.
+  return play.batch(episodes, pad_id, length_multiple)
 
 
 class ScriptedPolicy:
