@@ -273,12 +273,15 @@ class Trainer:
     opt_state = jax.jit(tx.init)(trainable)
     opt_sh = meshlib.shardings(opt_state, self.mesh)
     opt_state = hosts.put(opt_state, opt_sh)
+    # The RL update's micro-batches split the SFT batch too: the same activation memory per chip.
+    micro = self.config.optim.micro_batches
     sft = programs.jit_sft(self.model, tx, meshlib.shardings(trainable, self.mesh), opt_sh,
-                           self.frozen_sh, self.mesh)
+                           self.frozen_sh, self.mesh, micro_batches=micro)
     rng = np.random.default_rng(self.config.seed)
-    local_shards = max(1, meshlib.batch_shards(self.mesh) // jax.process_count())
-    per_host = max(local_shards, s.batch_size // jax.process_count())
-    per_host -= per_host % local_shards
+    # Each micro-batch needs a row on every batch shard.
+    unit = max(1, meshlib.batch_shards(self.mesh) // jax.process_count()) * micro
+    per_host = max(unit, s.batch_size // jax.process_count())
+    per_host -= per_host % unit
     arrays = {k: getattr(demos, k)[usable] for k in ("tokens", "attention_mask", "loss_mask")}
     start, loss = time.time(), float("nan")
     for i in range(s.steps):
