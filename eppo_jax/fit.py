@@ -214,8 +214,9 @@ def compile_rollout(config, model_cfg, mesh, prompt_tokens: int) -> Fit:
   tokens = jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=rows)
   mask = jax.ShapeDtypeStruct((b, p), bool, sharding=rows)
   key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=meshlib.replicated(mesh))
+  ids = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows)
   with jax.set_mesh(mesh):
-    return _measure("rollout_turn", lambda: turn.lower(params, tokens, mask, key, cache))
+    return _measure("rollout_turn", lambda: turn.lower(params, tokens, mask, key, ids, cache))
 
 
 def check(config, topology: str, prompt_tokens: int = 512, hbm_gib: float = 0.0,

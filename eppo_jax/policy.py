@@ -18,7 +18,9 @@ class ModelPolicy:
 
   `params` are global arrays on `mesh` (default: a data-parallel mesh over every device). Each
   host passes its own rows, padded with inactive (empty) rows to a multiple of its batch shards.
-  One key per turn draws for the whole global batch, so the samples do not depend on the mesh.
+  Each episode draws from its own random stream, the turn's key folded with the episode's global
+  id (`episode_offset` + its row on this host): its samples depend on neither the mesh, nor the
+  number of hosts, nor which other episodes share its batch.
 
   On several hosts the turn is one program over all of them, so its shapes come from numbers
   every host holds: the chunk width (every host passes chunks of the same width) and
@@ -31,8 +33,7 @@ class ModelPolicy:
   the live episodes of every host fit a quarter of the batch (B/4, B/16, ..., while that is a
   multiple of the batch shards), each host's live rows of the cache are gathered into it, so
   later turns run on live rows only.
-  Greedy episodes are unchanged by compaction; sampled ones draw from other random streams (a
-  row's draw depends on its position in the batch), with the same distribution.
+  Episodes are unchanged by compaction, greedy or sampled (up to float rounding of the logits).
 
   `prefill_chunk` > 0 caps the tokens one call prefills: a wider turn chunk first writes its
   leading columns into the cache in calls of at most that many, then samples after the rest.
@@ -42,13 +43,14 @@ class ModelPolicy:
 
   def __init__(self, params, config: ModelConfig, sampling: SamplingConfig, max_slots: int,
                rng: jax.Array, mesh: Optional[jax.sharding.Mesh] = None, compact: bool = True,
-               prefill_chunk: int = 0):
+               prefill_chunk: int = 0, episode_offset: int = 0):
     self._mesh = mesh or meshlib.make_mesh(meshlib.DATA_ONLY)
     self._params = params
     self._config, self._sampling, self._max_slots = config, sampling, max_slots
     self._rng = rng
     self._compact = compact
     self._prefill_chunk = prefill_chunk
+    self._episode_offset = episode_offset
     self._turn = 0
     self._shards = max(1, meshlib.batch_shards(self._mesh) // jax.process_count())
     self._rows_R = None  # Episode row (of this host) held by each cache row; -1 for an empty row.
@@ -115,7 +117,9 @@ class ModelPolicy:
     window = window_bucket(self._used + width + n, self._max_slots)
     run = self._programs(len(rows_R), window)
     key = jax.random.fold_in(self._rng, self._turn)
-    tokens, mask = hosts.put_rows((tokens_RxC, mask_RxC), self._mesh)
+    # Rows of no episode draw from a stream no episode uses.
+    ids_R = np.where(present_R, self._episode_offset + rows_R, -1).astype(np.int32)
+    tokens, mask, ids = hosts.put_rows((tokens_RxC, mask_RxC, ids_R), self._mesh)
     # Leading columns beyond the prefill cap go in first, in pieces of at most the cap (static
     # widths: the cap, then what remains); the turn samples after the last `last` columns.
     last = width if not self._prefill_chunk else (width - 1) % self._prefill_chunk + 1
@@ -126,7 +130,7 @@ class ModelPolicy:
           end = start + self._prefill_chunk
           cache = run.prefill(self._params, tokens[:, start:end], mask[:, start:end], cache)
         tokens, mask = tokens[:, width - last:], mask[:, width - last:]
-      reply, reply_mask, cache, scores = run.turn(self._params, tokens, mask, key, cache)
+      reply, reply_mask, cache, scores = run.turn(self._params, tokens, mask, key, ids, cache)
     self._turn += 1
     self._used += width + n
     # Back to this host's episode order; rows of no episode are dropped.

@@ -151,8 +151,9 @@ def jit_sft(model: ModelConfig, tx, trainable_sharding, opt_sharding, frozen_sha
                  donate_argnums=(0, 1))
 
 
-def _turn(params, tokens, mask, rng, cache, *, config, sampling, window):
-  out = rollout_body(params, config, tokens, mask, rng, sampling, cache, window=window)
+def _turn(params, tokens, mask, rng, row_ids, cache, *, config, sampling, window):
+  out = rollout_body(params, config, tokens, mask, rng, sampling, cache, window=window,
+                     row_ids_B=row_ids)
   return out.tokens, out.mask, out.cache, (out.logprobs, out.entropies)
 
 
@@ -172,7 +173,9 @@ class RolloutPrograms:
   """The programs of one rollout turn over a mesh, for a global batch and cache size."""
 
   empty_cache: object  # () -> an all-empty cache, placed on the mesh.
-  turn: object  # (params, tokens, mask, key, cache) -> (reply, reply mask, cache, scores).
+  # (params, tokens, mask, key, row ids, cache) -> (reply, reply mask, cache, scores); a row draws
+  # from the key folded with its id (`sampling.rollout_body`).
+  turn: object
   prefill: object  # (params, tokens, mask, cache) -> cache: a chunk written without sampling.
   compact: object  # (cache, rows) -> the cache of those (global) rows.
 
@@ -192,8 +195,8 @@ def rollout_turn(model: ModelConfig, sampling: SamplingConfig, mesh: jax.shardin
   # later one run the same turn program (and its zeros are no constants for XLA to fold).
   empty = jax.jit(lambda: init_cache(model, batch, max_len), out_shardings=cache_sh)
   turn = jax.jit(functools.partial(_turn, config=model, sampling=sampling, window=window),
-                 in_shardings=(None, rows, rows, replicated, cache_sh),
-                 out_shardings=(rows, rows, cache_sh, (rows, rows)), donate_argnums=(4,))
+                 in_shardings=(None, rows, rows, replicated, rows, cache_sh),
+                 out_shardings=(rows, rows, cache_sh, (rows, rows)), donate_argnums=(5,))
   prefill = jax.jit(functools.partial(_prefill, config=model, window=window),
                     in_shardings=(None, rows, rows, cache_sh), out_shardings=cache_sh,
                     donate_argnums=(3,))

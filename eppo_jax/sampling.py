@@ -106,14 +106,15 @@ def truncate_logits(z_BxV, top_k: int = 0, top_p: float = 1.0):
   return z_BxV
 
 
-def sample_token(logits_BxV, rng, sampling: SamplingConfig):
-  """Draws one token per row -> (token [B] int32, logprob [B], entropy [B]) per the convention."""
+def sample_token(logits_BxV, rng_B, sampling: SamplingConfig):
+  """Draws one token per row, row b from its own key `rng_B[b]` -> (token [B] int32, logprob [B],
+  entropy [B]) per the convention."""
   z_BxV = logits_BxV.astype(jnp.float32) / sampling.temperature
   if sampling.greedy:
     token_B = jnp.argmax(logits_BxV, axis=-1)
   else:
     truncated_BxV = truncate_logits(z_BxV, sampling.top_k, sampling.top_p)
-    token_B = jax.random.categorical(rng, truncated_BxV, axis=-1)
+    token_B = jax.vmap(jax.random.categorical)(rng_B, truncated_BxV)
   token_B = token_B.astype(jnp.int32)
   logprob_Bx1, entropy_Bx1 = logprobs.token_logprobs_and_entropy(
       logits_BxV[:, None], token_B[:, None], sampling.temperature)
@@ -199,13 +200,19 @@ def _window(cache: Cache, needed: int, window: Optional[int]) -> int:
 
 
 def rollout_body(params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP, rng,
-                 sampling: SamplingConfig, cache: Cache, window: Optional[int] = None):
+                 sampling: SamplingConfig, cache: Cache, window: Optional[int] = None,
+                 row_ids_B=None):
   """`rollout` un-jitted and unchecked, on a given cache: for callers that jit it themselves.
 
   Attends over the first `window` cache slots (static; default all). A chunk that does not fit the
   window gets NaN logits rather than clamped cache writes (the index may be traced here).
+  Row b draws from `rng` folded with `row_ids_B[b]` (default: b), so a row's tokens depend on its
+  id, not on the batch around it: rows that keep their ids through a re-layout (another mesh, a
+  compacted batch) draw the same tokens.
   """
   b = prompt_tokens_BxP.shape[0]
+  row_ids_B = jnp.arange(b) if row_ids_B is None else row_ids_B
+  rng_B = jax.vmap(jax.random.fold_in, (None, 0))(rng, row_ids_B)
   n = sampling.max_new_tokens
   window = window or cache["mask"].shape[1]
   prompt_mask_BxP = prompt_mask_BxP.astype(bool)
@@ -246,8 +253,8 @@ def rollout_body(params, config: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP
   def body(carry):
     (step, logits_BxV, done_B, cache, pending, tokens_BxN, logprobs_BxN, entropies_BxN,
      mask_BxN) = carry
-    token_B, logprob_B, entropy_B = sample_token(logits_BxV, jax.random.fold_in(rng, step),
-                                                 sampling)
+    step_rng_B = jax.vmap(jax.random.fold_in, (0, None))(rng_B, step)
+    token_B, logprob_B, entropy_B = sample_token(logits_BxV, step_rng_B, sampling)
     live_B = ~done_B
     token_B = jnp.where(live_B, token_B, sampling.pad_id)
     tokens_BxN = tokens_BxN.at[:, step].set(token_B)

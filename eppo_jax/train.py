@@ -222,13 +222,15 @@ class Trainer:
   # --------------------------------------------------------------------------------------------
   # Playing episodes.
 
-  def policy(self, rng, greedy: bool) -> ModelPolicy:
+  def policy(self, rng, greedy: bool, episode_offset: int = 0) -> ModelPolicy:
+    """The model as an `agent.Policy`; this host's first episode has the global id
+    `episode_offset` (see `ModelPolicy`)."""
     r = self.config.rollout
     sampling = programs.sampling_config(self.config, self.chat.stop_token_ids,
                                         self.tokenizer.pad_token_id, greedy)
     params = lora.combine(self.state.trainable, self.frozen)  # Dict surgery: no copy.
     return ModelPolicy(params, self.model, sampling, r.max_episode_tokens, rng, self.mesh,
-                       prefill_chunk=r.prefill_chunk)
+                       prefill_chunk=r.prefill_chunk, episode_offset=episode_offset)
 
   def play(self, policy, instances, group_size: int) -> agent.EpisodeBatch:
     r = self.config.rollout
@@ -327,7 +329,9 @@ class Trainer:
     for i in range(1 + (r.extra_rounds if r.dynamic_sampling else 0)):
       drawn = self.sampler.sample(r.instances_per_step)[offset:offset + per_host]
       instances = [agent.Instance(k, self.specs[k], seed) for k, seed in drawn]
-      policy = self.policy(jax.random.fold_in(key, i) if i else key, greedy=False)
+      # Episodes are instance-major, group_size per instance: ids are global over hosts.
+      policy = self.policy(jax.random.fold_in(key, i) if i else key, greedy=False,
+                           episode_offset=offset * r.group_size)
       rounds.append(self.play(policy, instances, r.group_size))
       played = groups.concat(rounds)
       # Another round only while some host lacks groups whose rewards differ (a global choice).

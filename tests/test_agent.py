@@ -320,11 +320,13 @@ def test_model_policy_collects_consistent_greedy_episodes(pretrained, chat):
 
 
 
-def test_model_policy_compaction_keeps_greedy_replies(pretrained, chat):
-  """Turns after episodes end run on a compacted cache and reply exactly as without compaction."""
+@pytest.mark.parametrize("greedy", [True, False])
+def test_model_policy_compaction_keeps_replies(pretrained, chat, greedy):
+  """Turns after episodes end run on a compacted cache and reply exactly as without compaction:
+  sampled episodes too, since each draws from its own stream wherever its row moves."""
   mesh = meshlib.make_mesh(meshlib.DATA_ONLY)
   params = hosts.put(pretrained.params, meshlib.shardings(pretrained.params, mesh))
-  cfg = _sampling_cfg(chat, greedy=True)
+  cfg = _sampling_cfg(chat, greedy=greedy)
   d = jax.device_count()
   n = 16 * d  # 16 rows per device: room for two quarterings.
   rng = np.random.default_rng(0)

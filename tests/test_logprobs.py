@@ -103,7 +103,7 @@ def test_sampler_formula_is_the_shared_one():
   rng = np.random.default_rng(0)
   logits = jnp.asarray(rng.normal(size=(5, 33)) * 3, jnp.float32)
   cfg = sampling.SamplingConfig(temperature=0.8)
-  token, lp, ent = sampling.sample_token(logits, jax.random.PRNGKey(0), cfg)
+  token, lp, ent = sampling.sample_token(logits, jax.random.split(jax.random.PRNGKey(0), 5), cfg)
   logp_all = jax.nn.log_softmax(logits / 0.8)
   np.testing.assert_allclose(lp, jnp.take_along_axis(logp_all, token[:, None], 1)[:, 0], atol=1e-6)
   np.testing.assert_allclose(ent, -jnp.sum(jnp.exp(logp_all) * logp_all, -1), atol=1e-5)

@@ -197,6 +197,22 @@ def test_rng_determinism(params):
   assert not np.array_equal(run(0), run(1))
 
 
+def test_a_row_draws_by_its_id_not_its_position(params):
+  """Rows shuffled with their ids draw the same tokens; the same rows under other ids do not."""
+  prompt, mask = sampling.left_pad(_ragged_prompts(np.random.default_rng(12), [5, 3, 6, 4]),
+                                   (8,), 0)
+  cfg = SamplingConfig(max_new_tokens=8)
+  body = jax.jit(lambda t, m, ids: sampling.rollout_body(
+      params, TINY, t, m, jax.random.PRNGKey(0), cfg, eppo_jax.init_cache(TINY, 4, 16),
+      row_ids_B=ids).tokens)
+  ids = np.array([7, 3, 12, 5], np.int32)
+  order = np.array([2, 0, 3, 1])
+  tokens = np.asarray(body(prompt, mask, ids))
+  np.testing.assert_array_equal(np.asarray(body(prompt[order], mask[order], ids[order])),
+                                tokens[order])
+  assert not np.array_equal(np.asarray(body(prompt, mask, ids + 1)), tokens)
+
+
 def test_lora_params_sample_from_the_adapted_policy(params):
   lora_cfg, lora_params = lora.add_lora(params, TINY, LoraConfig(rank=4), jax.random.PRNGKey(1))
   # Nonzero B, so the adapters change the policy.
