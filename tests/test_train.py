@@ -1,13 +1,12 @@
-"""The trainer: run.py end to end, exact resume, 1 vs 4 devices, NaNs, config checks, 2 hosts."""
+"""The trainer: run.py end to end, exact resume, 1 vs 4 devices, NaNs, config checks (several
+hosts: test_pod.py)."""
 
 import dataclasses
 import functools
 import json
-import os
 import shutil
 import subprocess
 import sys
-import textwrap
 
 import jax
 import numpy as np
@@ -22,9 +21,6 @@ from eppo_jax.models.transformer import init_params
 # pylint: disable-next=unused-import
 from pipeline_util import (ROOT, assert_trees_equal, compile_cache, smoke_config, smoke_tiny_dir,
                            state_like)
-
-sys.path.insert(0, str(ROOT / "bench"))
-import pod  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 LEAN = {"train.tensorboard": False, "train.plots": False, "train.export_hf": False}
 
@@ -402,52 +398,3 @@ def test_bad_config_fails_before_compiling(tmp_path, overrides, field):
   assert field in str(error.value)
   assert len(_compiles) == before
   assert not (tmp_path / "no_model").exists() and not (tmp_path / "run").exists()
-
-
-# ----------------------------------------------------------------------------------------------
-# Two hosts.
-
-_HOST = textwrap.dedent("""
-    import json, os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    sys.path.insert(0, {tests!r})
-    import hashlib
-    import jax
-    import numpy as np
-    from eppo_jax import train
-    from eppo_jax.checkpoint import Checkpointer
-    from pipeline_util import smoke_config, state_like
-    config = smoke_config({tiny!r}, **{overrides!r})
-    config.distributed.coordinator_address = {address!r}
-    config.distributed.num_processes = 2
-    config.distributed.process_id = int(sys.argv[1])
-    record = train.train(config, {workdir!r})
-    state, _ = Checkpointer({workdir!r} + "/checkpoints").restore(state_like(config, {workdir!r}))
-    digest = hashlib.sha256(b"".join(np.asarray(x).tobytes()
-                                     for x in jax.tree_util.tree_leaves(state))).hexdigest()
-    with open(sys.argv[2], "w") as f:
-      json.dump(dict(record=record, digest=digest, step=int(state.step),
-                     processes=jax.process_count(), devices=jax.device_count()), f)
-""")
-
-
-def test_two_hosts_train_and_agree(smoke_tiny_dir, tmp_path):
-  """2 processes x 2 CPU devices on localhost finish the smoke run and agree on all results."""
-  workdir = tmp_path / "run"
-  # 3 evaluation episodes split 2 + 1 over the hosts; one-turn episodes keep compilation short.
-  overrides = {**LEAN, "train.num_steps": 1, "sft.steps": 1, "train.eval_instances_per_task": 1,
-               "rollout.max_turns": 1}
-  script = tmp_path / "host.py"
-  script.write_text(_HOST.format(tests=str(ROOT / "tests"), tiny=str(smoke_tiny_dir),
-                                 overrides=overrides, address=f"127.0.0.1:{pod.free_port()}",
-                                 workdir=str(workdir)))
-  out = pod.run_script(script, tmp_path, cwd=ROOT, timeout_s=600)
-  assert out[0]["processes"] == out[1]["processes"] == 2
-  assert out[0]["devices"] == out[1]["devices"] == 4
-  assert out[0]["step"] == out[1]["step"] == 1
-  assert out[0]["digest"] == out[1]["digest"]
-  assert _training_metrics(out[0]["record"]) == _training_metrics(out[1]["record"])
-  # Host 0 evaluated tasks 0 and 2, host 1 task 1: every task's numbers need both hosts.
-  specs = smoke_config(smoke_tiny_dir).tasks.specs
-  assert all(out[0]["record"][f"task/{spec}/eval_turns"] == 1 for spec in specs)
-  assert [r["step"] for r in _records(workdir) if "loss" in r] == [1]
