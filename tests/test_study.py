@@ -284,3 +284,33 @@ def test_driver_end_to_end_resumes_and_reports(compile_cache, tmp_path, capsys):
           "tokens_per_s")
   strip = lambda rs: [{k: v for k, v in r.items() if k not in drop} for r in rs]
   assert strip(resumed) == strip(whole)
+
+
+def test_screen_applies_the_declared_rule_to_hand_made_runs(tmp_path):
+  """Two seeds of 12 RL steps on tasks a, b: the three numbers and the verdict, by hand."""
+  import screen  # pylint: disable=g-import-not-at-top
+  root = tmp_path / "screen_x"
+  root.mkdir()
+  (root / "protocol.json").write_text(json.dumps({"tasks": {"specs": ["a", "b"]},
+                                                  "train": {"num_steps": 12}}))
+  # (eval of a, b at step 0, at step 12, clip_low, clip_high, entropy of a, b each step).
+  seeds = {0: ((0.2, 0.6), (0.5, 0.7), 0.04, 0.02, (1.0, 0.3)),
+           1: ((0.4, 0.8), (0.6, 0.8), 0.05, 0.03, (0.8, 0.5))}
+  for seed, (start, end, low, high, (h_a, h_b)) in seeds.items():
+    run = root / f"seed{seed}" / "grpo"
+    run.mkdir(parents=True)
+    evals = lambda step, s: {"step": step, "eval_success": sum(s) / 2,
+                             **{f"task/{t}/eval_success": x for t, x in zip("ab", s)}}
+    records = [evals(0, start)] + [
+        {"step": k, "clip_frac_low": low, "clip_frac_high": high, "num_entropy_spikes": 0,
+         "task/a/entropy": h_a, "task/b/entropy": h_b} for k in range(1, 13)] + [evals(12, end)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "final_metrics.json").write_text(json.dumps({"step": 12}))
+  out = screen.screen(root)
+  # Worst task (a) 0.2 -> 0.5 and 0.4 -> 0.6; b (0.7 mean at step 0) is the easier task.
+  assert out["gain"] == pytest.approx((0.3 + 0.2) / 2)
+  assert out["clipped"] == pytest.approx((0.06 + 0.08) / 2)
+  assert (out["easy"], out["hard"]) == ("b", "a")
+  assert out["entropy_ratio"] == pytest.approx(0.4 / 0.9)
+  assert out["passes"] == {"learns": True, "binds": True, "mismatch": True}
+  assert "| screen_x | 2 | +0.250 (yes) | 7.00% (yes) | b |" in screen.table([out])
