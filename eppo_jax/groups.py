@@ -6,7 +6,7 @@ both host-side NumPy on one host's episodes (whole groups live on one host):
 
     zero_variance      groups whose valid rewards do not differ (fewer than two valid: also)
     select_groups      dynamic sampling (DAPO): from several rounds of groups, the batch's
-                       groups with rewards that differ first, in the order they were played
+                       groups, those with rewards that differ first, kept in the order played
     spread_filter      RAGEN's filter: of the batch's groups, train on the `keep` fraction with
                        the largest reward spread (the others' rewards become NaN: left out)
 
@@ -82,12 +82,13 @@ def take_groups(episodes: agent.EpisodeBatch, groups: np.ndarray) -> agent.Episo
 
 
 def select_groups(played: agent.EpisodeBatch, count: int) -> tuple[agent.EpisodeBatch, int]:
-  """`count` groups of `played` (all rounds, `concat`): those whose rewards differ first, then
-  zero-variance ones to fill the batch, each kind in the order played -> (batch, shortfall:
-  the zero-variance groups it holds)."""
+  """`count` groups of `played` (all rounds, `concat`): those whose rewards differ, then the
+  zero-variance ones played first to fill the batch -> (batch, shortfall: the zero-variance
+  groups it holds). The batch keeps the order of play, so a round that is kept whole is the
+  batch as played, the same rows in the same minibatches however many hosts share it."""
   flat = zero_variance(played)
-  order = np.concatenate([np.flatnonzero(~flat), np.flatnonzero(flat)])[:count]
-  return take_groups(played, order), int(flat[order].sum())
+  chosen = np.concatenate([np.flatnonzero(~flat), np.flatnonzero(flat)])[:count]
+  return take_groups(played, np.sort(chosen)), int(flat[chosen].sum())
 
 
 def spread_filter(episodes: agent.EpisodeBatch, keep: float) -> np.ndarray:

@@ -38,14 +38,19 @@ def test_select_groups_prefers_groups_that_differ_in_play_order():
   played = groups.concat([first, second])
   np.testing.assert_array_equal(played.group_ids, [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5])
   chosen, shortfall = groups.select_groups(played, 3)
-  # Groups that differ: 1 (round 1), 3 and 5 (round 2), in that order; nothing is short.
+  # Groups that differ: 1 (round 1), 3 and 5 (round 2), in play order; nothing is short.
   np.testing.assert_array_equal(chosen.tokens[:, 0], [2, 3, 6, 7, 10, 11])
   np.testing.assert_array_equal(chosen.group_ids, [0, 0, 1, 1, 2, 2])
   assert shortfall == 0
-  # Four wanted: the fourth is the first zero-variance group played, counted as the shortfall.
+  # Four wanted: the fourth is the first zero-variance group played (0), counted as the
+  # shortfall, in its place in the order of play.
   chosen, shortfall = groups.select_groups(played, 4)
-  np.testing.assert_array_equal(chosen.tokens[:, 0], [2, 3, 6, 7, 10, 11, 0, 1])
+  np.testing.assert_array_equal(chosen.tokens[:, 0], [0, 1, 2, 3, 6, 7, 10, 11])
   assert shortfall == 1
+  # One round kept whole is the batch as played.
+  chosen, shortfall = groups.select_groups(first, 3)
+  np.testing.assert_array_equal(chosen.tokens, first.tokens)
+  assert shortfall == 2
 
 
 def test_concat_pads_token_axes_and_keeps_per_turn_records():
