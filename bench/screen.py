@@ -47,14 +47,19 @@ def early_entropy(records: list[dict], task: str) -> float:
   return float(np.mean([h for s, h in stats.entropy_series(records, task) if lo <= s <= hi]))
 
 
-def screen(root: Path) -> dict:
-  """The rule's numbers for one root (its finished runs of METHOD)."""
+def finished_runs(root: Path) -> tuple[list[str], list[list[dict]]]:
+  """(the root's tasks, the records of each of its finished METHOD runs)."""
   protocol = json.loads((root / "protocol.json").read_text())
-  tasks = list(protocol["tasks"]["specs"])
   done, _ = study_report.load_runs(root, protocol["train"]["num_steps"])
   runs = list(done.get(METHOD, {}).values())
   if not runs:
     raise SystemExit(f"{root}: no finished {METHOD} run")
+  return list(protocol["tasks"]["specs"]), runs
+
+
+def screen(root: Path) -> dict:
+  """The rule's numbers for one root (its finished runs of METHOD)."""
+  tasks, runs = finished_runs(root)
   start = {t: np.mean([stats.eval_curve(r, f"task/{t}/eval_success")[1][0] for r in runs])
            for t in tasks}
   easy, hard = sorted(tasks, key=lambda t: -start[t])[:2]
@@ -94,10 +99,8 @@ def plot(path: Path, roots: list[Path]) -> None:
   fig = Figure(figsize=(12, 3.2 * len(roots)))
   axes = fig.subplots(len(roots), 2, squeeze=False)
   for row, root in zip(axes, roots):
-    protocol = json.loads((root / "protocol.json").read_text())
-    done, _ = study_report.load_runs(root, protocol["train"]["num_steps"])
-    runs = list(done.get(METHOD, {}).values())
-    for task in protocol["tasks"]["specs"]:
+    tasks, runs = finished_runs(root)
+    for task in tasks:
       study_report._band(row[0], [dict(zip(*stats.eval_curve(r, f"task/{task}/eval_success")))
                                   for r in runs], task)  # pylint: disable=protected-access
       study_report._band(row[1], [dict(stats.entropy_series(r, task)) for r in runs],
