@@ -24,7 +24,7 @@ F_norm is the group's unbiased std plus `eps`, as in `objective.grpo_advantages`
 (`normalize=False`; for the step level `step_normalize`). As there, a group of one and a group
 whose values are all equal give exactly 0 (equality decided by max == min, so a rounding residue
 is not blown up by the std), and an episode left out of the update (NaN training reward,
-`agent.training_rewards`) counts in no group statistic and gets advantage 0. A state seen only
+`episodes.training_rewards`) counts in no group statistic and gets advantage 0. A state seen only
 once has nothing to compare with: its A^S is 0. The first turn of every episode of a group
 answers the same reset observation, so turn 0's step group is the whole episode group.
 
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eppo_jax import agent
+from eppo_jax import episodes as episodes_lib
 
 
 def _relative(x_N: np.ndarray, keys_NxK: np.ndarray, normalize: bool, eps: float) -> np.ndarray:
@@ -135,17 +135,17 @@ def spread_over_tokens(turn_adv_BxN: np.ndarray, turn_ids_BxT: np.ndarray,
   return np.where(on_BxT, picked_BxT, 0.0).astype(np.float32)
 
 
-def token_advantages(episodes: agent.EpisodeBatch, *, gamma: float = 0.95, omega: float = 1.0,
+def token_advantages(episodes: episodes_lib.EpisodeBatch, *, gamma: float = 0.95, omega: float = 1.0,
                      step_normalize: bool = True, eps: float = 1e-6) -> np.ndarray:
   """GiGPO advantage of every token of `episodes`, [B, T] float32 aligned with `loss_mask`.
 
-  Episodes that `agent.training_rewards` leaves out get 0 and weigh in no group. Call it on one
+  Episodes that `episodes.training_rewards` leaves out get 0 and weigh in no group. Call it on one
   host's own episodes (whole groups, local `group_ids`), before any gather over hosts.
   """
   if episodes.turn_ids is None or episodes.step_rewards is None or episodes.step_states is None:
     raise ValueError("GiGPO needs per-turn records (turn_ids, step_rewards, step_states); "
                      "these episodes have none: play them with agent.collect_episodes")
-  turn_adv_BxN = turn_advantages(agent.training_rewards(episodes), episodes.group_ids,
+  turn_adv_BxN = turn_advantages(episodes_lib.training_rewards(episodes), episodes.group_ids,
                                  episodes.step_rewards, episodes.step_states, gamma=gamma,
                                  omega=omega, step_normalize=step_normalize, eps=eps)
   return spread_over_tokens(turn_adv_BxN, episodes.turn_ids, episodes.loss_mask)
