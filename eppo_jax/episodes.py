@@ -1,7 +1,7 @@
 """The episode batch: what the episode loop hands to the estimators, the metrics and the update.
 
-`agent.collect_episodes` produces it, `gigpo` and `groups` read it, and the trainer turns it into the
-update's arrays; keeping the types here lets each of them import the data without the loop.
+`agent.collect_episodes` produces it, `gigpo` and `groups` read it, and the trainer turns it into
+the update's arrays; with the types here, each of them imports the data without the loop.
 """
 
 from __future__ import annotations

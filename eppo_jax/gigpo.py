@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eppo_jax import episodes as episodes_lib
+from eppo_jax.episodes import EpisodeBatch, training_rewards
 
 
 def _relative(x_N: np.ndarray, keys_NxK: np.ndarray, normalize: bool, eps: float) -> np.ndarray:
@@ -135,7 +135,7 @@ def spread_over_tokens(turn_adv_BxN: np.ndarray, turn_ids_BxT: np.ndarray,
   return np.where(on_BxT, picked_BxT, 0.0).astype(np.float32)
 
 
-def token_advantages(episodes: episodes_lib.EpisodeBatch, *, gamma: float = 0.95, omega: float = 1.0,
+def token_advantages(episodes: EpisodeBatch, *, gamma: float = 0.95, omega: float = 1.0,
                      step_normalize: bool = True, eps: float = 1e-6) -> np.ndarray:
   """GiGPO advantage of every token of `episodes`, [B, T] float32 aligned with `loss_mask`.
 
@@ -145,7 +145,7 @@ def token_advantages(episodes: episodes_lib.EpisodeBatch, *, gamma: float = 0.95
   if episodes.turn_ids is None or episodes.step_rewards is None or episodes.step_states is None:
     raise ValueError("GiGPO needs per-turn records (turn_ids, step_rewards, step_states); "
                      "these episodes have none: play them with agent.collect_episodes")
-  turn_adv_BxN = turn_advantages(episodes_lib.training_rewards(episodes), episodes.group_ids,
+  turn_adv_BxN = turn_advantages(training_rewards(episodes), episodes.group_ids,
                                  episodes.step_rewards, episodes.step_states, gamma=gamma,
                                  omega=omega, step_normalize=step_normalize, eps=eps)
   return spread_over_tokens(turn_adv_BxN, episodes.turn_ids, episodes.loss_mask)

@@ -19,13 +19,13 @@ import dataclasses
 
 import numpy as np
 
-from eppo_jax import episodes as episodes_lib
+from eppo_jax.episodes import EpisodeBatch, training_rewards
 
 
-def group_spread(episodes: episodes_lib.EpisodeBatch) -> np.ndarray:
+def group_spread(episodes: EpisodeBatch) -> np.ndarray:
   """[G] the standard deviation of each group's training rewards (groups 0..G-1 in order); 0
   for a group with fewer than two valid episodes (`episodes.training_rewards`)."""
-  rewards = episodes_lib.training_rewards(episodes).astype(np.float64)
+  rewards = training_rewards(episodes).astype(np.float64)
   groups = int(episodes.group_ids.max()) + 1 if len(rewards) else 0
   spread = np.zeros(groups)
   for g in range(groups):
@@ -34,12 +34,12 @@ def group_spread(episodes: episodes_lib.EpisodeBatch) -> np.ndarray:
   return spread
 
 
-def zero_variance(episodes: episodes_lib.EpisodeBatch) -> np.ndarray:
+def zero_variance(episodes: EpisodeBatch) -> np.ndarray:
   """[G] bool: groups whose valid rewards are all equal (zero advantage, no gradient)."""
   return group_spread(episodes) == 0
 
 
-def per_task_zero_variance(episodes: episodes_lib.EpisodeBatch, num_tasks: int) -> np.ndarray:
+def per_task_zero_variance(episodes: EpisodeBatch, num_tasks: int) -> np.ndarray:
   """[2, K] float64: (zero-variance groups, groups) per task, to be summed over hosts."""
   flat = zero_variance(episodes)
   task_G = np.zeros(len(flat), np.int64)
@@ -52,13 +52,13 @@ def per_task_zero_variance(episodes: episodes_lib.EpisodeBatch, num_tasks: int) 
 _TOKEN_FIELDS = ("tokens", "attention_mask", "loss_mask", "logprobs", "entropies", "turn_ids")
 
 
-def concat(batches: list[episodes_lib.EpisodeBatch]) -> episodes_lib.EpisodeBatch:
+def concat(batches: list[EpisodeBatch]) -> EpisodeBatch:
   """Episode batches played one after another as one batch; group ids are renumbered after each
   other and [B,T] arrays padded with zeros (False) to the widest."""
   if len(batches) == 1:
     return batches[0]
   width = max(b.tokens.shape[1] for b in batches)
-  fields, offset = {f.name: [] for f in dataclasses.fields(episodes_lib.EpisodeBatch)}, 0
+  fields, offset = {f.name: [] for f in dataclasses.fields(EpisodeBatch)}, 0
   for batch in batches:
     for name, value in dataclasses.asdict(batch).items():
       if name == "group_ids":
@@ -67,21 +67,21 @@ def concat(batches: list[episodes_lib.EpisodeBatch]) -> episodes_lib.EpisodeBatc
         value = np.pad(value, ((0, 0), (0, width - value.shape[1])))
       fields[name].append(value)
     offset += int(batch.group_ids.max()) + 1 if len(batch.group_ids) else 0
-  return episodes_lib.EpisodeBatch(**{k: None if any(v is None for v in vs) else np.concatenate(vs)
-                               for k, vs in fields.items()})
+  return EpisodeBatch(**{k: None if any(v is None for v in vs) else np.concatenate(vs)
+                         for k, vs in fields.items()})
 
 
-def take_groups(episodes: episodes_lib.EpisodeBatch, groups: np.ndarray) -> episodes_lib.EpisodeBatch:
+def take_groups(episodes: EpisodeBatch, groups: np.ndarray) -> EpisodeBatch:
   """The episodes of `groups` (in that order), renumbered 0..len(groups)-1."""
   rows = np.concatenate([np.flatnonzero(episodes.group_ids == g) for g in groups])
   new_id = np.full(int(episodes.group_ids.max()) + 1, -1, np.int32)
   new_id[groups] = np.arange(len(groups), dtype=np.int32)
   fields = {k: None if v is None else v[rows] for k, v in dataclasses.asdict(episodes).items()}
   fields["group_ids"] = new_id[episodes.group_ids[rows]]
-  return episodes_lib.EpisodeBatch(**fields)
+  return EpisodeBatch(**fields)
 
 
-def select_groups(played: episodes_lib.EpisodeBatch, count: int) -> tuple[episodes_lib.EpisodeBatch, int]:
+def select_groups(played: EpisodeBatch, count: int) -> tuple[EpisodeBatch, int]:
   """`count` groups of `played` (all rounds, `concat`): those whose rewards differ, then the
   zero-variance ones played first to fill the batch -> (batch, shortfall: the zero-variance
   groups it holds). The batch keeps the order of play, so a round that is kept whole is the
@@ -91,7 +91,7 @@ def select_groups(played: episodes_lib.EpisodeBatch, count: int) -> tuple[episod
   return take_groups(played, np.sort(chosen)), int(flat[chosen].sum())
 
 
-def spread_filter(episodes: episodes_lib.EpisodeBatch, keep: float) -> np.ndarray:
+def spread_filter(episodes: EpisodeBatch, keep: float) -> np.ndarray:
   """[B] bool: the rows of the ceil(keep x G) groups with the largest reward spread (ties: the
   earlier group); the update leaves the other rows out."""
   spread = group_spread(episodes)

@@ -19,7 +19,7 @@ from typing import Optional
 from etils import epath
 import numpy as np
 
-from eppo_jax import episodes as episodes_lib
+from eppo_jax.episodes import EpisodeBatch, training_rewards
 from eppo_jax import workdir as workdir_lib
 
 # Per-task series drawn in `plots.png`, one panel each.
@@ -116,7 +116,7 @@ def _per_task(values: np.ndarray, task_ids: np.ndarray, num_tasks: int,
     return np.where(counts > 0, sums / counts, np.nan)
 
 
-def episode_metrics(episodes: episodes_lib.EpisodeBatch, num_tasks: int, prefix: str = "") -> tuple:
+def episode_metrics(episodes: EpisodeBatch, num_tasks: int, prefix: str = "") -> tuple:
   """(global scalars, per-task arrays) of a batch of episodes."""
   finite = np.isfinite(episodes.rewards)
   scored = finite & ~episodes.failed  # A failed episode's return is not a score.
@@ -138,7 +138,7 @@ def episode_metrics(episodes: episodes_lib.EpisodeBatch, num_tasks: int, prefix:
       f"{prefix}response_tokens": episodes.loss_mask.sum(1).mean(),
   }
   if not prefix:  # Training batches (evaluation has no groups and no update).
-    scalars["excluded_episodes"] = np.isnan(episodes_lib.training_rewards(episodes)).sum()
+    scalars["excluded_episodes"] = np.isnan(training_rewards(episodes)).sum()
   return scalars, per_task
 
 
@@ -146,7 +146,7 @@ def episode_metrics(episodes: episodes_lib.EpisodeBatch, num_tasks: int, prefix:
 _TOKEN_STATISTICS = ("entropy", "clip_frac_low", "clip_frac_high", "approx_kl", "pg_loss")
 
 
-def step_metrics(episodes: episodes_lib.EpisodeBatch, update: dict, num_tasks: int, play_s: float,
+def step_metrics(episodes: EpisodeBatch, update: dict, num_tasks: int, play_s: float,
                  env_s: float, total_s: float) -> tuple[dict, dict]:
   """(global scalars, per-task arrays) of one RL step: its episodes (of all hosts), the update's
   metrics (`steps.train_step`; `*_K` keys are per task) and the step's timings in seconds."""

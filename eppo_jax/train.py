@@ -28,7 +28,7 @@ import numpy as np
 
 from eppo_jax import (agent, config_check, gigpo, groups, hosts, interrupt, lora, metrics, programs,
                       steps, workdir as workdir_lib)
-from eppo_jax import episodes as episodes_lib
+from eppo_jax.episodes import EpisodeBatch, PER_TURN_FIELDS, training_rewards
 from eppo_jax import mesh as meshlib
 from eppo_jax.checkpoint import Checkpointer
 from eppo_jax.envs import registry
@@ -114,13 +114,13 @@ def stop_token_ids(tokenizer) -> list[int]:
                                            tokenizer.get_vocab()})
 
 
-def batch_arrays(episodes: episodes_lib.EpisodeBatch, group_offset: int, keys: tuple[str, ...],
+def batch_arrays(episodes: EpisodeBatch, group_offset: int, keys: tuple[str, ...],
                  advantages=None, keep_rows=None) -> dict:
   """The train_step inputs `keys`, padded to a sequence length that every host agrees on.
-  Episodes left out of the update carry a NaN reward (`episodes_lib.training_rewards`), and so do the
+  Episodes left out of the update carry a NaN reward (`episodes.training_rewards`), and so do the
   rows `keep_rows` leaves out; `advantages` [B,T] are host-computed per-token advantages."""
   arrays = {k: getattr(episodes, k) for k in keys if k != "advantages"}
-  arrays["rewards"] = episodes_lib.training_rewards(episodes)
+  arrays["rewards"] = training_rewards(episodes)
   if keep_rows is not None:
     arrays["rewards"] = np.where(keep_rows, arrays["rewards"], np.nan).astype(np.float32)
   if advantages is not None:
@@ -133,13 +133,13 @@ def batch_arrays(episodes: episodes_lib.EpisodeBatch, group_offset: int, keys: t
   return arrays
 
 
-def gather_episodes(episodes: episodes_lib.EpisodeBatch) -> episodes_lib.EpisodeBatch:
+def gather_episodes(episodes: EpisodeBatch) -> EpisodeBatch:
   """Every host's episodes, for metrics (the per-turn records, read by this host's update only,
   stay behind)."""
   fields = dataclasses.asdict(episodes)
-  for name in episodes_lib.PER_TURN_FIELDS:
+  for name in PER_TURN_FIELDS:
     fields.pop(name)
-  return episodes_lib.EpisodeBatch(**hosts.gather_hosts(fields))
+  return EpisodeBatch(**hosts.gather_hosts(fields))
 
 
 def this_host(items: list) -> list:
@@ -233,7 +233,7 @@ class Trainer:
     return ModelPolicy(params, self.model, sampling, r.max_episode_tokens, rng, self.mesh,
                        prefill_chunk=r.prefill_chunk, episode_offset=episode_offset)
 
-  def play(self, policy, instances, group_size: int) -> episodes_lib.EpisodeBatch:
+  def play(self, policy, instances, group_size: int) -> EpisodeBatch:
     r = self.config.rollout
     return agent.collect_episodes(
         policy, self.chat, registry.make, instances, group_size, max_turns=r.max_turns,
@@ -251,7 +251,7 @@ class Trainer:
   # --------------------------------------------------------------------------------------------
   # SFT.
 
-  def demonstrations(self) -> episodes_lib.EpisodeBatch:
+  def demonstrations(self) -> EpisodeBatch:
     """Expert episodes for the SFT warm start (this host's share), on training-range seeds."""
     n, r = self.config.sft.demos_per_task, self.config.rollout
     instances = [agent.Instance(k, spec, _DEMO_SEED + i)
@@ -320,7 +320,7 @@ class Trainer:
                  shared_prefix)
     return self._updates[shared_prefix]
 
-  def play_step(self, step: int) -> tuple[episodes_lib.EpisodeBatch, dict]:
+  def play_step(self, step: int) -> tuple[EpisodeBatch, dict]:
     """This host's episodes for the update, with dynamic sampling from up to 1 + extra_rounds
     rounds of instances -> (episodes, zero-variance scalars and per-task arrays)."""
     r = self.config.rollout
@@ -385,7 +385,7 @@ class Trainer:
     self._watch(step, scalars, update, everyone)
     return scalars, per_task
 
-  def _watch(self, step: int, scalars: dict, update: dict, episodes: episodes_lib.EpisodeBatch) -> None:
+  def _watch(self, step: int, scalars: dict, update: dict, episodes: EpisodeBatch) -> None:
     """Counts steps that learned nothing (`bad_steps` stops the run) and warns about them."""
     # A step whose every episode was left out (failed envs, non-finite rewards) learned nothing.
     empty = scalars["excluded_episodes"] == len(episodes.rewards)

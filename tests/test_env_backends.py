@@ -11,7 +11,7 @@ import pytest
 
 import faulty_envs
 from eppo_jax import agent, config_check
-from eppo_jax import episodes as episodes_lib
+from eppo_jax.episodes import EpisodeBatch, training_rewards
 from eppo_jax.envs import FrozenLake, registry
 from eppo_jax.models import hf
 from pipeline_util import ROOT, smoke_config, smoke_tiny_dir  # pylint: disable=unused-import
@@ -83,13 +83,13 @@ def test_training_rewards_leave_out_failed_nonfinite_and_lone_episodes():
   rewards = np.array([1.0, 0.0, np.inf, 0.5, -0.2, np.nan, 1.0, 0.0], np.float32)
   failed = np.array([0, 1, 0, 0, 0, 0, 0, 0], bool)
   groups = np.array([0, 0, 0, 1, 1, 1, 2, 2])  # Group 0 keeps one healthy member.
-  batch = episodes_lib.EpisodeBatch(
+  batch = EpisodeBatch(
       tokens=np.zeros((8, 4), np.int32), attention_mask=np.ones((8, 4), bool),
       loss_mask=np.ones((8, 4), bool), logprobs=np.zeros((8, 4), np.float32),
       entropies=np.zeros((8, 4), np.float32), task_ids=np.zeros(8, np.int32), group_ids=groups,
       rewards=rewards, success=np.zeros(8, bool), turns=np.ones(8, np.int32),
       invalid_actions=np.zeros(8, np.int32), failed=failed, truncated=np.zeros(8, bool))
-  got = episodes_lib.training_rewards(batch)
+  got = training_rewards(batch)
   np.testing.assert_array_equal(np.isnan(got), [1, 1, 1, 0, 0, 1, 0, 0])
   np.testing.assert_array_equal(got[[3, 4, 6, 7]], rewards[[3, 4, 6, 7]])
 

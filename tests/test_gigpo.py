@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from eppo_jax import agent, config_check, gigpo, objective
-from eppo_jax import episodes as episodes_lib
+from eppo_jax.episodes import EpisodeBatch, observation_hash, training_rewards
 from eppo_jax.envs import play, registry
 from eppo_jax.models import hf
 from pipeline_util import runs, smoke_config, smoke_tiny_dir  # pylint: disable=unused-import
@@ -86,8 +86,8 @@ def build_batch(episodes, seed=0):
   for b, ((loss, ids), (_, _, turns)) in enumerate(zip(rows, episodes)):
     loss_mask[b, :len(loss)], turn_ids[b, :len(ids)] = loss, ids
     for t, (text, reward) in enumerate(turns):
-      step_rewards[b, t], step_states[b, t] = reward, episodes_lib.observation_hash(text)
-  return episodes_lib.EpisodeBatch(
+      step_rewards[b, t], step_states[b, t] = reward, observation_hash(text)
+  return EpisodeBatch(
       tokens=np.zeros((n, width), np.int32), attention_mask=np.ones((n, width), bool),
       loss_mask=loss_mask, logprobs=np.zeros((n, width), np.float32),
       entropies=np.zeros((n, width), np.float32), task_ids=np.zeros(n, np.int32),
@@ -126,10 +126,10 @@ def test_without_shared_states_the_step_part_vanishes():
   """Group 1 shares no state: every turn's advantage is its episode's A^E, for any omega."""
   batch = build_batch(EPISODES)
   rows = batch.group_ids == 1
-  episode_adv = gigpo.episode_advantages(episodes_lib.training_rewards(batch), batch.group_ids)[rows]
+  episode_adv = gigpo.episode_advantages(training_rewards(batch), batch.group_ids)[rows]
   assert np.abs(episode_adv).min() > 0.1
   for omega in (0.0, 1.0, 3.0):
-    turns = gigpo.turn_advantages(episodes_lib.training_rewards(batch), batch.group_ids,
+    turns = gigpo.turn_advantages(training_rewards(batch), batch.group_ids,
                                   batch.step_rewards, batch.step_states, gamma=0.9, omega=omega)
     on = batch.step_states[rows] >= 0
     np.testing.assert_allclose(turns[rows][on], np.broadcast_to(episode_adv[:, None], on.shape)[on],
@@ -146,7 +146,7 @@ def test_excluded_episodes_get_zero_and_move_no_statistic():
   small = build_batch([EPISODES[i] for i in kept])
 
   def per_turn(b):
-    return gigpo.turn_advantages(episodes_lib.training_rewards(b), b.group_ids, b.step_rewards,
+    return gigpo.turn_advantages(training_rewards(b), b.group_ids, b.step_rewards,
                                  b.step_states, gamma=0.9, omega=1.0)
 
   np.testing.assert_allclose(per_turn(small), per_turn(batch)[kept], rtol=1e-6)
@@ -161,7 +161,7 @@ def test_omega_zero_is_grpo():
   """With omega = 0 every loss token carries the project's GRPO advantage of its episode."""
   batch = build_batch(EPISODES)
   got = gigpo.token_advantages(batch, gamma=0.9, omega=0.0)
-  grpo_B = np.asarray(objective.grpo_advantages(episodes_lib.training_rewards(batch), batch.group_ids,
+  grpo_B = np.asarray(objective.grpo_advantages(training_rewards(batch), batch.group_ids,
                                                 int(batch.group_ids.max()) + 1))
   want = np.where(batch.loss_mask & (batch.turn_ids >= 0), grpo_B[:, None], 0.0)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -193,7 +193,7 @@ def test_bad_arguments_fail_with_one_line():
                     ({"omega": -1.0}, "omega"), ({"omega": float("nan")}, "omega")):
     with pytest.raises(ValueError, match=match):
       gigpo.token_advantages(batch, **kw)
-  bare = episodes_lib.EpisodeBatch(**{**vars(batch), "turn_ids": None})
+  bare = EpisodeBatch(**{**vars(batch), "turn_ids": None})
   with pytest.raises(ValueError, match="per-turn records"):
     gigpo.token_advantages(bare)
 
@@ -202,8 +202,8 @@ def test_observation_hash_is_63_bit_blake2b():
   """Stable across processes (no PYTHONHASHSEED), non-negative so -1 stays free."""
   for text in ("", "SFFF\nFHFH", "Invalid reply: \u00e9"):
     digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
-    assert episodes_lib.observation_hash(text) == int.from_bytes(digest, "little") // 2
-    assert 0 <= episodes_lib.observation_hash(text) < 2**63
+    assert observation_hash(text) == int.from_bytes(digest, "little") // 2
+    assert 0 <= observation_hash(text) < 2**63
 
 
 # ----------------------------------------------------------------------------- the episode loop
@@ -241,7 +241,7 @@ def test_collect_episodes_records_turns_rewards_and_states(chat):
     episodes.append((b // group, False, list(zip(played.observations, played.rewards))))
     assert batch.turns[b] == turns and not batch.failed[b]
     np.testing.assert_array_equal(
-        batch.step_states[b], [episodes_lib.observation_hash(o) for o in played.observations[:turns]]
+        batch.step_states[b], [observation_hash(o) for o in played.observations[:turns]]
         + [-1] * (n_turns - turns))
     np.testing.assert_allclose(batch.step_rewards[b],
                                list(played.rewards) + [0.0] * (n_turns - turns), atol=1e-7)

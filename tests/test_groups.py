@@ -3,7 +3,7 @@ batches whose expected answers are worked out by hand."""
 
 import numpy as np
 
-from eppo_jax import episodes as episodes_lib
+from eppo_jax.episodes import EpisodeBatch, training_rewards
 from eppo_jax import groups
 
 
@@ -14,7 +14,7 @@ def batch(rewards_by_group, tasks=None, width=4, failed=(), first_token=0):
   group_ids = [g for g, rs in enumerate(rewards_by_group) for _ in rs]
   tasks = tasks or [0] * len(rewards_by_group)
   n = len(rewards)
-  return episodes_lib.EpisodeBatch(
+  return EpisodeBatch(
       tokens=np.repeat(np.arange(first_token, first_token + n, dtype=np.int32)[:, None], width, 1),
       attention_mask=np.ones((n, width), bool), loss_mask=np.ones((n, width), bool),
       logprobs=np.zeros((n, width), np.float32), entropies=np.zeros((n, width), np.float32),
@@ -56,8 +56,8 @@ def test_select_groups_prefers_groups_that_differ_in_play_order():
 
 def test_concat_pads_token_axes_and_keeps_per_turn_records():
   a, b = batch([[1, 0]], width=3), batch([[0, 2]], width=5)
-  a = episodes_lib.EpisodeBatch(**{**vars(a), "step_rewards": np.ones((2, 4), np.float32)})
-  b = episodes_lib.EpisodeBatch(**{**vars(b), "step_rewards": np.zeros((2, 4), np.float32)})
+  a = EpisodeBatch(**{**vars(a), "step_rewards": np.ones((2, 4), np.float32)})
+  b = EpisodeBatch(**{**vars(b), "step_rewards": np.zeros((2, 4), np.float32)})
   both = groups.concat([a, b])
   assert both.tokens.shape == (4, 5) and both.step_rewards.shape == (4, 4)
   np.testing.assert_array_equal(both.attention_mask.sum(1), [3, 3, 5, 5])
