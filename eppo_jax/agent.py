@@ -32,7 +32,7 @@ import numpy as np
 from eppo_jax import hosts
 from eppo_jax.episodes import EpisodeBatch, observation_hash
 from eppo_jax.envs import registry
-from eppo_jax.envs.base import format_action, parse_action
+from eppo_jax.envs.base import action_span, format_action, parse_action
 from eppo_jax.envs.pool import EnvPool
 from eppo_jax.envs.process_pool import ProcessEnvPool
 from eppo_jax.sampling import left_pad
@@ -122,6 +122,20 @@ class ChatFormat:
           break
     return self._encode(suffix)
 
+  def action_mask(self, reply: Sequence[int]) -> list[bool]:
+    """True on the reply tokens that spell its action (what `parse_action` reads), without the
+    tags, format and stop tokens around it: where the reply's decision is.
+
+    Each token is placed by its own decoded text, so a token that straddles the action's edge
+    counts, and offsets stay consistent for any tokenizer."""
+    pieces = self.tokenizer.batch_decode([[t] for t in reply], skip_special_tokens=True)
+    span = action_span("".join(pieces))
+    if span is None:
+      return [False] * len(reply)
+    ends = np.cumsum([len(p) for p in pieces])
+    starts = ends - np.array([len(p) for p in pieces], int)
+    return ((starts < span[1]) & (ends > span[0])).tolist()
+
   def reply_tokens(self, action: str) -> list[int]:
     """A demonstration reply: the formatted action and the stop token."""
     return self._encode(format_action(action)) + [self.stop_token_ids[0]]
@@ -188,6 +202,7 @@ class _Playing:
     self.conv_mask = [[] for _ in range(n)]  # True on generated tokens.
     self.conv_scores = [[] for _ in range(n)]  # (logprob, entropy) per token, (0, 0) off replies.
     self.conv_turn = [[] for _ in range(n)]  # Turn index of each generated token, -1 elsewhere.
+    self.conv_action = [[] for _ in range(n)]  # True on generated tokens that spell the action.
     self.pending = [[] for _ in range(n)]  # Tokens each conversation still has to show the policy.
     self.shown = [-1] * n  # observation_hash of the observation the next turn answers.
     self.step_rewards = np.zeros((n, max_turns), np.float32)
@@ -205,9 +220,11 @@ class _Playing:
     self.pending[b] = []
     self.failed[b], self.active[b] = True, False
 
-  def record_reply(self, b: int, generated: list[int], scores_2xN: np.ndarray) -> None:
+  def record_reply(self, b: int, generated: list[int], scores_2xN: np.ndarray,
+                   action_mask: list[bool]) -> None:
     """Appends what the turn showed episode `b` and its reply; the turn is counted."""
     pending = self.pending[b]
+    self.conv_action[b] += [False] * len(pending) + action_mask
     self.conv[b] += pending + generated
     self.conv_mask[b] += [False] * len(pending) + [True] * len(generated)
     self.conv_scores[b] += [(0.0, 0.0)] * len(pending) + list(zip(*scores_2xN))
@@ -242,11 +259,13 @@ class _Playing:
     attention, loss = np.zeros((n, width), bool), np.zeros((n, width), bool)
     sampled = np.zeros((2, n, width), np.float32)
     turn_ids = np.full((n, width), -1, np.int32)
+    action = np.zeros((n, width), bool)
     for b in range(n):
       tokens[b, :len(conv[b])] = conv[b]
       turn_ids[b, :len(conv[b])] = self.conv_turn[b]
       attention[b, :len(conv[b])] = True
       loss[b, :len(conv[b])] = self.conv_mask[b]
+      action[b, :len(conv[b])] = self.conv_action[b]
       if conv[b]:
         sampled[:, b, :len(conv[b])] = np.asarray(self.conv_scores[b], np.float32).T
     return EpisodeBatch(
@@ -256,7 +275,8 @@ class _Playing:
         group_ids=np.array([g for g, _ in episodes], np.int32),
         rewards=self.rewards, success=self.success, turns=self.turns,
         invalid_actions=self.invalid, failed=self.failed,
-        truncated=(self.truncated | self.active) & ~self.success, turn_ids=turn_ids,
+        truncated=(self.truncated | self.active) & ~self.success, action_mask=action,
+        turn_ids=turn_ids,
         step_rewards=self.step_rewards, step_states=self.step_states)
 
 
@@ -316,7 +336,7 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
     actions = []
     for b in stepping:
       generated = reply[b][reply_mask[b]].tolist()
-      play.record_reply(b, generated, scores[:, b][:, reply_mask[b]])
+      play.record_reply(b, generated, scores[:, b][:, reply_mask[b]], chat.action_mask(generated))
       actions.append(parse_action(chat.tokenizer.decode(generated, skip_special_tokens=True)))
     results = stepper.call(pool.step, actions, stepping) if len(stepping) else []
     for b, result in zip(stepping, results):

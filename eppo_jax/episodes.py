@@ -30,6 +30,8 @@ class EpisodeBatch:
   invalid_actions: np.ndarray  # [B] int32
   failed: np.ndarray  # [B] bool: the environment raised or timed out
   truncated: np.ndarray  # [B] bool: cut by the turn or token budget
+  # [B,T] bool: the loss tokens that spell each reply's action (`agent.ChatFormat.action_mask`).
+  action_mask: Optional[np.ndarray] = None
   # Per-turn records for step-level credit (eppo_jax.gigpo); None where a producer has none.
   # `gather_hosts` pads a narrower host's T axis with 0, not -1: read turn_ids with loss_mask.
   turn_ids: Optional[np.ndarray] = None  # [B,T] int32: turn of each loss token, -1 elsewhere

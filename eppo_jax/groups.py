@@ -49,7 +49,8 @@ def per_task_zero_variance(episodes: EpisodeBatch, num_tasks: int) -> np.ndarray
 
 
 # EpisodeBatch fields with a token axis [B,T].
-_TOKEN_FIELDS = ("tokens", "attention_mask", "loss_mask", "logprobs", "entropies", "turn_ids")
+_TOKEN_FIELDS = ("tokens", "attention_mask", "loss_mask", "logprobs", "entropies", "turn_ids",
+                 "action_mask")
 
 
 def concat(batches: list[EpisodeBatch]) -> EpisodeBatch:

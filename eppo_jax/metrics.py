@@ -116,6 +116,16 @@ def _per_task(values: np.ndarray, task_ids: np.ndarray, num_tasks: int,
     return np.where(counts > 0, sums / counts, np.nan)
 
 
+def _per_task_tokens(values_BxT: np.ndarray, mask_BxT: np.ndarray, task_ids: np.ndarray,
+                     num_tasks: int) -> np.ndarray:
+  """Mean of `values` over each task's `mask`ed tokens ([K], NaN for tasks with none)."""
+  sums = np.bincount(task_ids, weights=np.where(mask_BxT, values_BxT, 0.0).sum(1),
+                     minlength=num_tasks)
+  counts = np.bincount(task_ids, weights=mask_BxT.sum(1), minlength=num_tasks)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    return np.where(counts > 0, sums / counts, np.nan)
+
+
 def episode_metrics(episodes: EpisodeBatch, num_tasks: int, prefix: str = "") -> tuple:
   """(global scalars, per-task arrays) of a batch of episodes."""
   finite = np.isfinite(episodes.rewards)
@@ -139,6 +149,10 @@ def episode_metrics(episodes: EpisodeBatch, num_tasks: int, prefix: str = "") ->
   }
   if not prefix:  # Training batches (evaluation has no groups and no update).
     scalars["excluded_episodes"] = np.isnan(training_rewards(episodes)).sum()
+    if episodes.action_mask is not None:  # The sampler's entropy where the decision is.
+      per_task["action_entropy"] = _per_task_tokens(
+          episodes.entropies, episodes.action_mask & episodes.loss_mask, episodes.task_ids,
+          num_tasks)
   return scalars, per_task
 
 

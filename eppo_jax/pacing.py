@@ -23,6 +23,9 @@ from jax import lax
 
 
 PACING_SCHEMES = ("cross_task_mean", "initial", "target")
+# Which trained tokens H_k averages over: "all" of them, or the "action" tokens alone (those that
+# spell the action inside its tags, `agent.ChatFormat.action_mask`), where the decision is.
+ENTROPY_TOKENS = ("all", "action")
 
 
 def task_entropy(token_entropy_BxT: jax.Array,
@@ -78,10 +81,17 @@ class PacingConfig:
   spike_kappa: float = 3.0
   spike_rho: float = 0.9
   spike_min_obs: int = 5
+  # The tokens H_k is measured on (ENTROPY_TOKENS). In an agentic reply most tokens are format
+  # (tags, stop token) that the policy writes with near-zero entropy, so over "all" tokens H_k
+  # mostly measures a task's share of format tokens; "action" measures the decision itself.
+  entropy_tokens: str = "all"
 
   def __post_init__(self):
     if self.scheme not in PACING_SCHEMES:
       raise ValueError(f"scheme must be one of {PACING_SCHEMES}, got {self.scheme!r}")
+    if self.entropy_tokens not in ENTROPY_TOKENS:
+      raise ValueError(f"entropy_tokens must be one of {ENTROPY_TOKENS}, "
+                       f"got {self.entropy_tokens!r}")
     if not 0.0 <= self.rho < 1.0 or not 0.0 <= self.spike_rho < 1.0:
       raise ValueError("rho and spike_rho must lie in [0, 1)")
     if not 0.0 < self.eps_min <= self.eps_max:

@@ -124,6 +124,8 @@ def batch_spec(config: ml_collections.ConfigDict, step_cfg: steps.StepConfig,
     spec.update({k: ((b, width), np.float32) for k in SAMPLER_KEYS})
   if step_cfg.advantage_estimator in steps.TOKEN_ADVANTAGES:  # Computed on the host.
     spec["advantages"] = ((b, width), np.float32)
+  if step_cfg.pacing.entropy_tokens == "action":  # Pacing reads the action tokens' entropy.
+    spec["action_mask"] = ((b, width), np.bool_)
   return spec
 
 

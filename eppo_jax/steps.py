@@ -398,6 +398,15 @@ def old_policy_scores(state: TrainState, frozen, data: dict, batch: dict, key, c
   return old_logp.reshape(b, -1), entropy.reshape(b, -1), first
 
 
+def pacing_mask(batch: dict, data: dict, cfg: StepConfig) -> jax.Array:
+  """[b,R] the scored positions whose entropy paces: every loss token, or with
+  `pacing.entropy_tokens="action"` those that spell an action (`batch["action_mask"]` [B,T])."""
+  if cfg.pacing.entropy_tokens == "all":
+    return data["loss_mask"]
+  action_BxR = jnp.take_along_axis(batch["action_mask"][:, 1:], data["idx"], axis=1)
+  return data["loss_mask"] & action_BxR
+
+
 def pace(state: pacing.PacingState, entropy_BxR, loss_mask_BxR, task_ids_B, cfg: StepConfig):
   """EPPO: task entropies of the sampling policy -> smoothed state -> per-task bounds.
 
@@ -449,6 +458,7 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
 
   `batch` (the global batch): tokens / attention_mask / loss_mask [B,T], task_ids / group_ids [B]
   int32, rewards [B] float32 (NaN or inf: the episode is left out); with
+  `cfg.pacing.entropy_tokens == "action"` also action_mask [B,T] bool; with
   `cfg.old_logprobs == "sampler"` also logprobs / entropies [B,T] float32 (the sampler's number for
   each token). Returns (new state, metrics).
   """
@@ -464,7 +474,7 @@ def train_step(state: TrainState, frozen, batch: dict, rng: jax.Array, *, cfg: S
   data["old_logp"], entropy_BxR, first = old_policy_scores(state, frozen, data, batch, first_key,
                                                            cfg, tx)
   new_pacing, eps_low_K, eps_high_K, pacing_metrics = pace(
-      state.pacing, entropy_BxR, data["loss_mask"], batch["task_ids"], cfg)
+      state.pacing, entropy_BxR, pacing_mask(batch, data, cfg), batch["task_ids"], cfg)
   (trainable, opt_state), per_update = ppo_updates(
       (state.trainable, state.opt_state), frozen, data, rng_epochs, eps_low_K, eps_high_K, first,
       cfg, tx)

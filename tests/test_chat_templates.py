@@ -311,3 +311,32 @@ def test_rerendering_changes_only_qwen3_episodes(name):
       reply = tok.decode(row[mask].tolist())
       text = text.replace(reply, reply.split("</think>\n\n", 1)[1], 1)
     assert tok.decode(rerendered).rstrip("\n") == text
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_action_mask_marks_the_tokens_that_spell_the_action(name):
+  """Per reply, the action-masked tokens are the shortest run of reply tokens whose text holds
+  the parsed action; the episode's action mask is those runs at the loss tokens, nothing else."""
+  tok, chat, replies, _, batch = _collect(FAMILIES[name])
+  for b in range(len(INSTANCES)):
+    expected = []
+    for row, mask, _ in replies[b]:
+      sampled = row[mask].tolist()
+      action = parse_action(tok.decode(sampled, skip_special_tokens=True))
+      marked = np.flatnonzero(chat.action_mask(sampled))
+      first, last = marked.min(), marked.max() + 1
+      assert (np.diff(marked) == 1).all()
+      assert action in tok.decode(sampled[first:last])
+      assert action not in tok.decode(sampled[first + 1:last])
+      assert action not in tok.decode(sampled[first:last - 1])
+      expected += chat.action_mask(sampled)
+    assert batch.action_mask[b][batch.loss_mask[b]].tolist() == expected
+    assert not (batch.action_mask[b] & ~batch.loss_mask[b]).any()
+
+
+def test_action_mask_is_empty_without_an_action():
+  """A reply with no `<action>` block, or an empty one, marks nothing."""
+  tok = _tokenizer(FAMILIES["qwen2.5"])
+  chat = agent.ChatFormat(tok, [tok.convert_tokens_to_ids("<|im_end|>")])
+  for text in ("I move down.", "<action>  </action>", ""):
+    assert not any(chat.action_mask(_encode(tok, text)))

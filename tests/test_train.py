@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+import eppo_jax
 from eppo_jax import config_check, hosts, objective, pacing, programs, steps, train
 from eppo_jax import mesh as meshlib
 from eppo_jax.checkpoint import Checkpointer
@@ -126,19 +127,21 @@ MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_lay
 B, T, K, G = 16, 24, 3, 2  # Global episodes, tokens, tasks, group size.
 
 
-def _step_config(minibatches: int) -> steps.StepConfig:
-  pacing_cfg, loss_cfg = objective.method_configs("eppo")
+def _step_config(minibatches: int, **pacing_overrides) -> steps.StepConfig:
+  pacing_cfg, loss_cfg = objective.method_configs("eppo", **pacing_overrides)
   return steps.StepConfig(model=MODEL, pacing=pacing_cfg, loss=loss_cfg, num_tasks=K,
                           num_groups=B // G, temperature=1.0, num_minibatches=minibatches)
 
 
 @functools.lru_cache(maxsize=None)
-def _train_fn(devices: int, minibatches: int, estimator: str = "grpo"):
+def _train_fn(devices: int, minibatches: int, estimator: str = "grpo",
+              entropy_tokens: str = "all"):
   """(host state, batch, key) -> host (state, metrics): train_step compiled as the trainer
   compiles it (`programs.jit_update`), on a data-parallel mesh of `devices` devices."""
   tx = programs.make_optimizer(3e-3, 0, 0.0, 1.0)
   mesh = meshlib.make_mesh(meshlib.DATA_ONLY, jax.devices()[:devices])
-  cfg = dataclasses.replace(_step_config(minibatches), advantage_estimator=estimator,
+  cfg = dataclasses.replace(_step_config(minibatches, entropy_tokens=entropy_tokens),
+                            advantage_estimator=estimator,
                             minibatch_sharding=meshlib.minibatch_sharding(mesh))
   state_sh = meshlib.shardings(_initial_state(tx), mesh)
   update = programs.jit_update(cfg, tx, state_sh, {}, mesh)
@@ -251,6 +254,30 @@ def test_token_advantages_reach_the_update():
   moved, _ = per_token(state, tokens, key)
   assert any(not np.allclose(x, y) for x, y in zip(jax.tree_util.tree_leaves(moved.trainable),
                                                    jax.tree_util.tree_leaves(got.trainable)))
+
+
+def test_action_token_pacing_averages_the_entropy_of_action_tokens():
+  """With `entropy_tokens="action"` each task's paced entropy is the mean entropy of the policy
+  (NumPy, from the model's logits) over its action tokens alone, on 4 devices; a left-out
+  episode's action tokens do not count."""
+  fn, tx = _train_fn(D, 2, entropy_tokens="action")
+  batch = _batch(3)
+  rng = np.random.default_rng(11)
+  batch["action_mask"] = batch["loss_mask"] & (rng.random((B, T)) < 0.3)
+  batch["rewards"][9] = np.nan
+  state = _initial_state(tx)
+  _, metrics = fn(state, batch, jax.random.PRNGKey(5))
+  z = np.asarray(eppo_jax.logits(state.trainable, MODEL, batch["tokens"], batch["attention_mask"]),
+                 np.float64)[:, :-1]  # Position t scores token t + 1.
+  p = np.exp(z - z.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  entropy_BxT = -(p * np.log(p)).sum(-1)
+  counted_BxT = batch["action_mask"][:, 1:] & np.isfinite(batch["rewards"])[:, None]
+  sums = np.bincount(batch["task_ids"], (entropy_BxT * counted_BxT).sum(1), minlength=K)
+  counts = np.bincount(batch["task_ids"], counted_BxT.sum(1), minlength=K)
+  assert (counts > 0).all() and counts.sum() < batch["loss_mask"].sum() / 2
+  np.testing.assert_array_equal(metrics["token_count_K"], counts)
+  np.testing.assert_allclose(metrics["entropy_K"], sums / counts, rtol=1e-4)
 
 
 def test_nonfinite_gradient_skips_the_update():

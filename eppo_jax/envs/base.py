@@ -21,20 +21,26 @@ _OPEN_TAG = re.compile(r"<\s*action\s*>", re.IGNORECASE)
 _CLOSE_TAG = re.compile(r"<\s*/\s*action\s*>", re.IGNORECASE)
 
 
-def parse_action(text: Any) -> str | None:
-  """The last `<action>` block of a model reply, trimmed; None when there is none."""
-  if not isinstance(text, str):
-    return None
+def action_span(text: str) -> tuple[int, int] | None:
+  """[start, end) of the trimmed body of the last `<action>` block in `text`; None when there is
+  no block or its body is empty."""
   last = None
   for last in _OPEN_TAG.finditer(text):
     pass
   if last is None:
     return None
-  rest = text[last.end():]
-  close = _CLOSE_TAG.search(rest)
+  close = _CLOSE_TAG.search(text, last.end())
   # A reply cut off by the token budget often lacks the closing tag: take the rest of the text.
-  body = (rest[:close.start()] if close else rest).strip()
-  return body or None
+  body = text[last.end():close.start() if close else len(text)]
+  start = last.end() + len(body) - len(body.lstrip())
+  end = last.end() + len(body.rstrip())
+  return (start, end) if end > start else None
+
+
+def parse_action(text: Any) -> str | None:
+  """The last `<action>` block of a model reply, trimmed; None when there is none."""
+  span = action_span(text) if isinstance(text, str) else None
+  return None if span is None else text[span[0]:span[1]]
 
 
 def format_action(action: str) -> str:
