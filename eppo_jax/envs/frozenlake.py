@@ -68,11 +68,11 @@ class FrozenLake(TextEnv):
     return divmod(int(self.gym_env.s), self.config.size)
 
   def render(self) -> str:
-    """The map with the player drawn as P."""
+    """The map with the player drawn as P, cells apart (one token each for any tokenizer)."""
     rows = [list(row) for row in self.desc]
     r, c = self.position
     rows[r][c] = "P"
-    return "\n".join("".join(row) for row in rows)
+    return "\n".join(" ".join(row) for row in rows)
 
   def _step(self, action: str) -> Transition:
     if action not in ACTIONS:

@@ -34,6 +34,7 @@ LEVELS = {
 }
 
 INSTRUCTIONS = """You are playing Sokoban on a grid. Push every box onto a target.
+The grid shows the room inside its outer wall, which you cannot cross.
 Legend: # wall, _ floor, . target, $ box, * box on a target, @ you, + you on a target.
 You move one cell per action. Walking into a box pushes it one cell if the cell behind it is free; boxes cannot be pulled. A box stuck against walls off target ends the game.
 Actions: up, down, left, right. Reply with exactly one action, for example <action>left</action>."""
@@ -53,10 +54,13 @@ class Room:
     return {"up": -self.width, "down": self.width, "left": -1, "right": 1}
 
   def render(self) -> str:
+    """The room inside its outer wall (always whole, so not drawn: it would double the tokens
+    of a small room), one line per row, cells apart so that any tokenizer reads each cell as
+    its own token."""
     rows = []
-    for r in range(self.height):
+    for r in range(1, self.height - 1):
       row = []
-      for c in range(self.width):
+      for c in range(1, self.width - 1):
         i = r * self.width + c
         if i in self.walls:
           row.append("#")
@@ -66,7 +70,7 @@ class Room:
           row.append("*" if i in self.targets else "$")
         else:
           row.append("." if i in self.targets else "_")
-      rows.append("".join(row))
+      rows.append(" ".join(row))
     return "\n".join(rows)
 
 
@@ -230,6 +234,8 @@ class Sokoban(TextEnv):
                         reward + WIN_REWARD, done=True, won=True)
     what = "You push the box" if pushed_to is not None else "You move"
     if self.end_on_deadlock and pushed_to in self._dead:
+      # The step penalties of the moves left: ending stuck must not pay better than playing on.
+      reward += STEP_PENALTY * (self.max_steps - self._steps)
       return Transition(f"{what} {action}; the box is stuck. You lost.\n{room.render()}", reward,
                         done=True)
     return Transition(f"{what} {action}. {self._status()}\n{room.render()}", reward)
