@@ -8,6 +8,7 @@ also draws every configuration's per-task eval success and entropy.
 
   python bench/screen.py runs/screen_weak runs/screen_weak_hot runs/screen_hot
   python bench/screen.py docs/data/screen_* --plot docs/images/screen.png   # from the archive
+  python bench/screen.py runs/default --method eppo   # another method's runs
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import study_report  # pylint: disable=g-import-not-at-top,wrong-import-position
 import study_stats as stats  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-METHOD = "grpo"
 # The declared rule: thresholds, and the early window of the entropy comparison (RL steps).
 MIN_GAIN, MIN_CLIPPED, MAX_ENTROPY_RATIO, EARLY = 0.15, 0.05, 0.5, (1, 10)
 
@@ -47,31 +47,33 @@ def early_entropy(records: list[dict], task: str) -> float:
   return float(np.mean([h for s, h in stats.entropy_series(records, task) if lo <= s <= hi]))
 
 
-def finished_runs(root: Path) -> tuple[list[str], list[list[dict]]]:
-  """(the root's tasks, the records of each of its finished METHOD runs)."""
+def finished_runs(root: Path, method: str = "grpo") -> tuple[list[str], dict[int, list[dict]]]:
+  """(the root's tasks, {seed: records} of each of its finished `method` runs)."""
   protocol = json.loads((root / "protocol.json").read_text())
   done, _ = study_report.load_runs(root, protocol["train"]["num_steps"])
-  runs = list(done.get(METHOD, {}).values())
+  runs = dict(sorted(done.get(method, {}).items()))
   if not runs:
-    raise SystemExit(f"{root}: no finished {METHOD} run")
+    raise SystemExit(f"{root}: no finished {method} run")
   return list(protocol["tasks"]["specs"]), runs
 
 
-def screen(root: Path) -> dict:
-  """The rule's numbers for one root (its finished runs of METHOD)."""
-  tasks, runs = finished_runs(root)
+def screen(root: Path, method: str = "grpo") -> dict:
+  """The rule's numbers for one root (its finished runs of `method`)."""
+  tasks, by_seed = finished_runs(root, method)
+  runs = list(by_seed.values())
   start = {t: np.mean([stats.eval_curve(r, f"task/{t}/eval_success")[1][0] for r in runs])
            for t in tasks}
   easy, hard = sorted(tasks, key=lambda t: -start[t])[:2]
   per_run = [stats.run_metrics(r, tasks) for r in runs]
   out = dict(
       root=str(root), seeds=len(runs), easy=easy, hard=hard,
-      gain=float(np.mean([worst_task_gain(r, tasks) for r in runs])),
+      gains={seed: worst_task_gain(r, tasks) for seed, r in by_seed.items()},
       clipped=float(np.mean([clipped_fraction(r) for r in runs])),
       entropy_easy=float(np.mean([early_entropy(r, easy) for r in runs])),
       entropy_hard=float(np.mean([early_entropy(r, hard) for r in runs])),
       crossovers_per_100=float(np.mean([m["crossovers_per_100"] for m in per_run])),
       spikes_per_100=float(np.mean([m["spikes_per_100"] for m in per_run])))
+  out["gain"] = float(np.mean(list(out["gains"].values())))
   out["entropy_ratio"] = out["entropy_easy"] / out["entropy_hard"]
   out["passes"] = dict(learns=out["gain"] >= MIN_GAIN, binds=out["clipped"] >= MIN_CLIPPED,
                        mismatch=out["entropy_ratio"] <= MAX_ENTROPY_RATIO)
@@ -93,13 +95,14 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def plot(path: Path, roots: list[Path]) -> None:
+def plot(path: Path, roots: list[Path], method: str = "grpo") -> None:
   """One row per configuration: each task's eval success and token entropy, mean ± std."""
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
   fig = Figure(figsize=(12, 3.2 * len(roots)))
   axes = fig.subplots(len(roots), 2, squeeze=False)
   for row, root in zip(axes, roots):
-    tasks, runs = finished_runs(root)
+    tasks, by_seed = finished_runs(root, method)
+    runs = list(by_seed.values())
     for task in tasks:
       study_report._band(row[0], [dict(zip(*stats.eval_curve(r, f"task/{task}/eval_success")))
                                   for r in runs], task)  # pylint: disable=protected-access
@@ -121,11 +124,15 @@ def main(argv=None) -> None:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("roots", nargs="+", type=Path, help="one study root per configuration")
   parser.add_argument("--plot", type=Path, help="also write the curves of every configuration")
+  parser.add_argument("--method", default="grpo", help="whose runs to read (default: grpo)")
   args = parser.parse_args(argv)
-  rows = [screen(root) for root in args.roots]
+  rows = [screen(root, args.method) for root in args.roots]
   print(table(rows))
+  for r in rows:
+    gains = ", ".join(f"seed {seed} {g:+.3f}" for seed, g in r["gains"].items())
+    print(f"{Path(r['root']).name}: worst-task gain per seed: {gains}")
   if args.plot:
-    plot(args.plot, args.roots)
+    plot(args.plot, args.roots, args.method)
     print(f"wrote {args.plot}")
 
 

@@ -169,13 +169,17 @@ def check_protocol(root: Path, config) -> None:
 
 
 def parse_variant(text: str) -> dict:
-  """"alpha=0.5,rho=0.8" -> {"alpha": 0.5, "rho": 0.8} (pacing config fields)."""
+  """"alpha=0.5,entropy_tokens=action" -> {"alpha": 0.5, "entropy_tokens": "action"} (pacing
+  config fields: numbers as floats, anything else as a string)."""
   out = {}
   for item in filter(None, text.split(",")):
     key, sep, value = item.partition("=")
     if not sep:
       raise ValueError(f"a variant is key=value[,key=value], got {text!r}")
-    out[key.strip()] = float(value)
+    try:
+      out[key.strip()] = float(value)
+    except ValueError:
+      out[key.strip()] = value.strip()
   return out
 
 

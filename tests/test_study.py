@@ -309,6 +309,7 @@ def test_screen_applies_the_declared_rule_to_hand_made_runs(tmp_path):
   out = screen.screen(root)
   # Worst task (a) 0.2 -> 0.5 and 0.4 -> 0.6; b (0.7 mean at step 0) is the easier task.
   assert out["gain"] == pytest.approx((0.3 + 0.2) / 2)
+  assert out["gains"] == pytest.approx({0: 0.3, 1: 0.2})
   assert out["clipped"] == pytest.approx((0.06 + 0.08) / 2)
   assert (out["easy"], out["hard"]) == ("b", "a")
   assert out["entropy_ratio"] == pytest.approx(0.4 / 0.9)
