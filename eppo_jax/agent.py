@@ -95,6 +95,9 @@ class ChatFormat:
     self.stop_token_ids = tuple(stop_token_ids)
     self.system_prompt = system_prompt
     self._stop_texts = tuple(tokenizer.decode([t]) for t in self.stop_token_ids)
+    # Every reply token of every turn is placed by its text (`action_mask`): decode each id once.
+    self._token_text = functools.lru_cache(maxsize=None)(
+        lambda t: tokenizer.decode([t], skip_special_tokens=True))
 
   def system(self, env) -> str:
     return env.instructions if self.system_prompt == "instructions" else f"Task: {env.task_name}"
@@ -128,7 +131,7 @@ class ChatFormat:
 
     Each token is placed by its own decoded text, so a token that straddles the action's edge
     counts, and offsets stay consistent for any tokenizer."""
-    pieces = self.tokenizer.batch_decode([[t] for t in reply], skip_special_tokens=True)
+    pieces = [self._token_text(t) for t in reply]
     span = action_span("".join(pieces))
     if span is None:
       return [False] * len(reply)
