@@ -20,7 +20,8 @@ from eppo_jax.envs import registry
 from eppo_jax.models.config import ATTENTION_IMPLS
 
 ENV_BACKENDS = ("auto",) + agent.ENV_BACKENDS
-DTYPES = ("float32", "bfloat16", "float16")
+# "auto": bfloat16 on TPUs and on GPUs from Ampere on, float32 elsewhere (`programs.model_dtype`).
+DTYPES = ("float32", "bfloat16", "float16", "auto")
 # Built-in tasks whose envs are pure Python and fast: the "auto" backend steps them inline.
 TRUSTED_TASKS = ("sokoban", "frozenlake", "countdown")
 

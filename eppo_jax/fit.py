@@ -111,8 +111,9 @@ def chip_hbm_gib(devices) -> Optional[float]:
   return CHIP_HBM_GIB.get(devices[0].device_kind)
 
 
-def model_config(config):
-  """The preset's ModelConfig (with LoRA and dtypes as the trainer sets them), without weights."""
+def model_config(config, device=None):
+  """The preset's ModelConfig (with LoRA and dtypes as the trainer sets them on `device`, default
+  this process's first), without weights."""
   from eppo_jax import programs  # pylint: disable=g-import-not-at-top
   from eppo_jax.models import hf  # pylint: disable=g-import-not-at-top
   m = config.model
@@ -128,8 +129,9 @@ def model_config(config):
   else:
     raise ValueError(f"config.model.source={m.source!r}: no shape known; give a local HF "
                      f"directory or one of {sorted(MODEL_SHAPES)}")
-  cfg = programs.model_config(config, hf.config_from_hf(h, dtype=m.dtype,
-                                                        param_dtype=m.param_dtype))
+  cfg = programs.model_config(config, hf.config_from_hf(
+      h, dtype=programs.model_dtype(m.dtype, device),
+      param_dtype=programs.model_dtype(m.param_dtype, device)))
   return cfg.replace(lora=programs.lora_config(config))
 
 
@@ -227,7 +229,7 @@ def check(config, topology: str, prompt_tokens: int = 512, hbm_gib: float = 0.0,
   mesh = meshlib.make_mesh(config.mesh, devices)
   # The layer loop's layout follows the platform it runs on (`ModelConfig.unroll_layers`), which
   # is the topology's, not this process's backend.
-  model_cfg = model_config(config).replace(unroll_layers=devices[0].platform == "cpu")
+  model_cfg = model_config(config, devices[0]).replace(unroll_layers=devices[0].platform == "cpu")
   fits = []
   if "train" in programs:
     fits.append(compile_train(config, model_cfg, mesh))

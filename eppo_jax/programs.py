@@ -4,6 +4,7 @@ The trainer (`eppo_jax.train`) and the fit tool (`eppo_jax.fit`) both take their
 module, so what the fit tool compiles for a TPU slice is what the trainer runs:
 
     model_config     the ModelConfig: the checkpoint's shape plus how `config.model` computes it
+    model_dtype      `config.model.dtype` / `param_dtype` for a device ("auto" resolved)
     sampling_config  how the rollout draws tokens
     step_config      the static description of one RL update (`steps.StepConfig`)
     optimizer        the RL and SFT optimizers
@@ -50,6 +51,20 @@ def model_config(config: ml_collections.ConfigDict, base: ModelConfig) -> ModelC
   m = config.model
   return base.replace(remat=m.remat, attention_impl=m.attention_impl,
                       attention_block_q=m.attention_block_q, attention_block_k=m.attention_block_k)
+
+
+def model_dtype(name: str, device=None) -> str:
+  """A `config.model.dtype` or `param_dtype` value as a dtype name for `device` (default: this
+  process's first). "auto" is bfloat16 where the chip computes in it natively (TPUs, GPUs from
+  Ampere on: compute capability >= 8.0) and float32 elsewhere (CPUs, a T4 or V100)."""
+  if name != "auto":
+    return name
+  device = device or jax.devices()[0]
+  if device.platform == "tpu":
+    return "bfloat16"
+  if device.platform == "gpu":
+    return "bfloat16" if float(getattr(device, "compute_capability", 0) or 0) >= 8.0 else "float32"
+  return "float32"
 
 
 def lora_config(config: ml_collections.ConfigDict) -> Optional[LoraConfig]:

@@ -99,7 +99,9 @@ def load_model(config, workdir: Path, mesh: Optional[jax.sharding.Mesh] = None):
     source = directory
   else:
     source = m.source
-  pre = hf.load_pretrained(source, dtype=jnp.dtype(m.dtype), param_dtype=jnp.dtype(m.param_dtype),
+  device = mesh.devices.flat[0] if mesh is not None else None
+  pre = hf.load_pretrained(source, dtype=jnp.dtype(programs.model_dtype(m.dtype, device)),
+                           param_dtype=jnp.dtype(programs.model_dtype(m.param_dtype, device)),
                            mesh=mesh)
   model_cfg, params = programs.model_config(config, pre.config), pre.params
   if lora_cfg := programs.lora_config(config):
