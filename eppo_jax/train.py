@@ -98,7 +98,10 @@ def load_model(config, workdir: Path, mesh: Optional[jax.sharding.Mesh] = None):
     hosts.barrier("tiny_model")
     source = directory
   else:
-    source = m.source
+    try:  # A missing model is a one-line error at start-up (run.py), naming how to get it.
+      source = hf.resolve_model_dir(m.source)
+    except (FileNotFoundError, ValueError) as e:
+      raise config_check.ConfigError(f"config.model.source: {e}") from e
   device = mesh.devices.flat[0] if mesh is not None else None
   pre = hf.load_pretrained(source, dtype=jnp.dtype(programs.model_dtype(m.dtype, device)),
                            param_dtype=jnp.dtype(programs.model_dtype(m.param_dtype, device)),

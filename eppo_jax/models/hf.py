@@ -22,6 +22,7 @@ from eppo_jax import lora
 from eppo_jax import hosts
 from eppo_jax import mesh as meshlib
 from eppo_jax import workdir as workdir_lib
+from eppo_jax.models import gguf
 from eppo_jax.models.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -49,6 +50,9 @@ def resolve_model_dir(path_or_hub_id: str | os.PathLike) -> Path:
             if path.suffix == ".gguf" else "")
     raise ValueError(f"{path} is a file; pass the model directory that holds config.json{hint}")
   name = str(path_or_hub_id)
+  if make := gguf.conversion_command(name):  # A directory converted from a registry package.
+    raise FileNotFoundError(f"no model directory at {name!r} (from {os.getcwd()}); make it "
+                            f"first: {make}")
   if name.count("/") != 1 or name.startswith((".", "/")):
     raise FileNotFoundError(f"no model directory at {name!r} (and it is not a hub id 'org/name')")
   from huggingface_hub import snapshot_download  # pylint: disable=g-import-not-at-top
