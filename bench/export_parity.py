@@ -31,6 +31,7 @@ import logging
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -96,6 +97,7 @@ def episodes_by_turn(batch, tokenizer) -> list[Played]:
 def project_play(workdir: Path, config, instances) -> tuple[list[Played], int]:
   """(a): the project's greedy evaluation of the run's newest checkpoint -> (episodes, its step)."""
   from eppo_jax import agent, train  # pylint: disable=g-import-not-at-top
+  train.use_compilation_cache(config.train.compilation_cache)  # The run's programs, compiled.
   with tempfile.TemporaryDirectory(prefix="export_parity_") as scratch:
     run = scratch_run(workdir, config, Path(scratch))
     trainer = train.Trainer(config, run, None)
@@ -190,9 +192,10 @@ def first_difference(a: Played, b: Played) -> Optional[int]:
 
 
 def compare(workdir, per_task: int, dtype: Optional[str] = None) -> dict:
-  """Both sides on each task's first `per_task` held-out seeds -> {spec: summary}, where a summary
-  holds `project` and `transformers` (lists of `Played`), their success rates, and the fractions
-  of episodes with identical actions and identical replies."""
+  """Both sides on each task's first `per_task` held-out seeds -> {spec: summary, "step": the
+  checkpoint's RL step, "seconds": (project, transformers) wall times}, where a summary holds
+  `project` and `transformers` (lists of `Played`), their success rates, and the fractions of
+  episodes with identical actions and identical replies."""
   from eppo_jax.envs.sampler import TaskSampler  # pylint: disable=g-import-not-at-top
   workdir = Path(workdir)
   if not (workdir / "hf_export" / "config.json").exists():
@@ -203,9 +206,11 @@ def compare(workdir, per_task: int, dtype: Optional[str] = None) -> dict:
     config.model.dtype = config.model.param_dtype = dtype
   specs = list(config.tasks.specs)
   instances = TaskSampler(specs, seed=config.seed).eval_instances(per_task)
+  start = time.perf_counter()
   ours, step = project_play(workdir, config, instances)
+  middle = time.perf_counter()
   theirs = transformers_play(workdir / "hf_export", config, instances)
-  result = {"step": step}
+  result = {"step": step, "seconds": (middle - start, time.perf_counter() - middle)}
   for k, spec in enumerate(specs):
     rows = [i for i, (task, _) in enumerate(instances) if task == k]
     a, b = [ours[i] for i in rows], [theirs[i] for i in rows]
@@ -234,8 +239,10 @@ def main() -> int:
   torch.set_num_threads(1)  # See bench/common.py: on a shared machine 1 thread is the fair figure.
   result = compare(args.workdir, args.per_task, args.dtype or None)
   tokenizer = transformers.AutoTokenizer.from_pretrained(Path(args.workdir) / "hf_export")
+  seconds = result.pop("seconds")
   print(f"{args.workdir}: RL step {result.pop('step')}, {args.per_task} held-out instances per "
-        "task, greedy")
+        f"task, greedy; project {seconds[0]:.0f} s (set-up, compilation and play), transformers "
+        f"{seconds[1]:.0f} s")
   print(f"{'task':<20} {'success (project)':>18} {'(transformers)':>15} "
         f"{'identical actions':>18} {'identical replies':>18}")
   differ = False

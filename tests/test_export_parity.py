@@ -46,7 +46,7 @@ def test_transformers_plays_the_export_as_the_project_evaluates(tmp_path, smoke_
   workdir = tmp_path / "run"
   _run_with_export(config, workdir)
   result = export_parity.compare(workdir, per_task=3, dtype="float32")
-  assert result.pop("step") == 0
+  assert result.pop("step") == 0 and len(result.pop("seconds")) == 2
   turns = 0
   for spec, s in result.items():
     assert len(s["project"]) == len(s["transformers"]) == 3, spec
