@@ -22,7 +22,6 @@ from eppo_jax import lora
 from eppo_jax import hosts
 from eppo_jax import mesh as meshlib
 from eppo_jax import workdir as workdir_lib
-from eppo_jax.models import gguf
 from eppo_jax.models.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -50,6 +49,8 @@ def resolve_model_dir(path_or_hub_id: str | os.PathLike) -> Path:
             if path.suffix == ".gguf" else "")
     raise ValueError(f"{path} is a file; pass the model directory that holds config.json{hint}")
   name = str(path_or_hub_id)
+  # Imported here: `python -m eppo_jax.models.gguf` must not find the module already imported.
+  from eppo_jax.models import gguf  # pylint: disable=g-import-not-at-top
   if make := gguf.conversion_command(name):  # A directory converted from a registry package.
     raise FileNotFoundError(f"no model directory at {name!r} (from {os.getcwd()}); make it "
                             f"first: {make}")
