@@ -24,7 +24,7 @@ pytest.importorskip("ipykernel")
 
 ROOT = Path(__file__).resolve().parent.parent
 COLABS = ROOT / "colabs"
-NOTEBOOKS = ("quickstart.ipynb", "hf_lora.ipynb", "entropy_dynamics.ipynb")
+NOTEBOOKS = ("quickstart.ipynb", "hf_lora.ipynb", "entropy_dynamics.ipynb", "smollm2.ipynb")
 CELL_TIMEOUT_S = 600  # Per cell; a cell that hangs fails the test instead of blocking the suite.
 KERNEL_NAME = "eppo-jax-test"
 
@@ -225,3 +225,41 @@ def test_entropy_dynamics(tmp_path, kernel_manager_factory):
     assert any("sft_loss" in r for r in records)
     assert max(r["step"] for r in records) == SMALL["NUM_STEPS"]
   assert "crossovers" in _text(nb)
+
+
+def _tiny_gguf(out_dir: Path) -> Path:
+  """A random 2-layer Llama written as llama.cpp writes SmolLM2's file (Q4_1 weights, Q8_0 tied
+  embedding, the `smollm` pre-tokenizer, ChatML), by tests/test_gguf.py's writer."""
+  from conftest import make_hf_model  # pylint: disable=g-import-not-at-top
+  from test_gguf import VARIANTS, train_tokenizer, write_gguf  # pylint: disable=g-import-not-at-top
+  tokenizer = train_tokenizer("smollm")
+  tied, quant = VARIANTS["q4_1_tied"]
+  model = make_hf_model("llama", seed=7, tie_word_embeddings=tied,
+                        vocab_size=tokenizer.get_vocab_size(), hidden_size=64,
+                        intermediate_size=96, max_position_embeddings=2048)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  return write_gguf(out_dir / "tiny.Q4_1.gguf", model, tokenizer, quant=quant)
+
+
+def test_smollm2(tmp_path, kernel_manager_factory):
+  """The smollm2-135m preset on a tiny GGUF written here (no download): conversion, zero-shot
+  evaluation, SFT + one RL step, plots, the export loaded back and played by transformers."""
+  pytest.importorskip("gguf")
+  source = _tiny_gguf(tmp_path / "gguf")
+  model_dir, workdir = tmp_path / "model", tmp_path / "smollm2"
+  params = dict(INSTALL=False, GGUF_SOURCE=str(source), MODEL_DIR=str(model_dir),
+                WORKDIR=str(workdir), FRESH=True, ZERO_SHOT_INSTANCES=1, SFT_STEPS=2,
+                SFT_BATCH_SIZE=4, DEMOS_PER_TASK=4, NUM_STEPS=1, INSTANCES_PER_STEP=2,
+                GROUP_SIZE=2, MAX_TURNS=2, MAX_NEW_TOKENS=8, MAX_EPISODE_TOKENS=1024,
+                MICRO_BATCHES=1, LORA_RANK=4, DTYPE="float32", EVAL_EVERY=1,
+                EVAL_INSTANCES_PER_TASK=1, PARITY_INSTANCES=1)
+  nb, seconds = run_notebook("smollm2.ipynb", params, kernel_manager_factory)
+  print(f"smollm2.ipynb: {seconds:.0f}s")
+  assert (model_dir / "config.json").exists() and (model_dir / "tokenizer.json").exists()
+  for path in ("metrics.jsonl", "final_metrics.json", "hf_export/config.json"):
+    assert (workdir / path).exists(), path
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").open()]
+  assert any("sft_loss" in r for r in records) and max(r["step"] for r in records) == 1
+  text = _text(nb)
+  assert "LlamaForCausalLM" in text and "reply:" in text
+  assert "identical actions 1.00, identical replies 1.00" in text
