@@ -72,9 +72,10 @@ def test_fit_reports_the_per_device_bytes_of_the_sharded_train_step(tmp_path):
       config.rollout.max_episode_tokens
   rows = b // 4  # data x fsdp
   batch_bytes = rows * t * (4 + 1 + 1) + rows * (4 + 4 + 4)
-  # No key: with one PPO epoch and the eppo loss the step draws no random numbers, and jit drops
-  # unused arguments.
-  expected = _shard_bytes(state, mesh) + _shard_bytes(frozen, mesh) + batch_bytes
+  # The key (2 x uint32) only with a second PPO epoch, which shuffles: with one epoch the eppo
+  # loss draws no random numbers, and jit drops unused arguments.
+  key_bytes = 8 if o.ppo_epochs > 1 else 0
+  expected = _shard_bytes(state, mesh) + _shard_bytes(frozen, mesh) + batch_bytes + key_bytes
   assert train_fit["arguments"] == expected
   # The layout really split the weights (a wrong rule table would leave them whole).
   assert 2 * _shard_bytes(frozen, mesh) < _shard_bytes(frozen, AbstractMesh((1, 1, 1),
