@@ -4,9 +4,10 @@ Presets (`--config=configs/multitask.py:PRESET`):
 
   tiny (default)  The embedded tiny Llama (built locally, no downloads), SFT warm start on expert
                   demonstrations, then 30 EPPO steps of 128 episodes on Sokoban + FrozenLake.
-                  CPU, one core of the project's 2-core machine: SFT 4-6 min, an RL step about
-                  60 s, each evaluation (128 held-out instances per task) about 40 s; about 40
-                  min in all (docs/results.md, "A default that learns").
+                  Measured on one core of the project's 2-core machine (docs/results.md, "A
+                  default that learns"): SFT and the first evaluation 6 min, an RL step 55 s with
+                  the core to itself (up to 210 s while other jobs shared it), an evaluation (128
+                  held-out instances per task) about 40 s; the whole run 60 min on a shared core.
                     python run.py --config=configs/multitask.py --workdir=runs/tiny
   smoke           The same pipeline shrunk to finish in well under a minute (used by the tests).
                     python run.py --config=configs/multitask.py:smoke --workdir=/tmp/smoke
