@@ -34,9 +34,10 @@ BOOTSTRAP_SEED = 0
 # (bounds, clipping, KL, invalid actions). Timings and the rest of a record are dropped.
 ARCHIVED_KEY = re.compile(
     r"(step|success|eval_success|entropy|entropy_crossovers|num_entropy_spikes|approx_kl|"
-    r"grad_norm|advantage_abs_mean|clip_frac_low|clip_frac_high|"
-    r"task/[^/]+/(eval_success|success|entropy|entropy_spikes|eps_low|eps_high|clip_frac_low|"
-    r"clip_frac_high|approx_kl|invalid_actions|eval_invalid_actions))")
+    r"grad_norm|advantage_abs_mean|clip_frac_low|clip_frac_high|truncated|zero_variance_groups|"
+    r"task/[^/]+/(eval_success|success|entropy|action_entropy|entropy_spikes|eps_low|eps_high|"
+    r"clip_frac_low|clip_frac_high|approx_kl|invalid_actions|eval_invalid_actions|turns|"
+    r"zero_variance_groups))")
 
 
 def read_records(workdir: Path) -> list[dict]:
@@ -77,7 +78,8 @@ def load_runs(root: Path, num_steps: int) -> tuple[dict, dict]:
 def archive(root: Path, dest: Path, num_steps: int) -> int:
   """Copies the records of every finished run and warm start under `root` to `dest`; -> runs copied.
 
-  `dest` keeps the root's layout (protocol.json, seed<S>/<run>/metrics.jsonl, final_metrics.json)
+  `dest` keeps the root's layout (protocol.json, seed<S>/<run>/metrics.jsonl, final_metrics.json,
+  config.json)
   with each record cut to `ARCHIVED_KEY`, so it is itself a root that `--report-only` reports
   exactly as the original: small enough to commit, where checkpoints and run directories are not.
   """
@@ -92,6 +94,8 @@ def archive(root: Path, dest: Path, num_steps: int) -> int:
     out.mkdir(parents=True, exist_ok=True)
     _write(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in kept))
     shutil.copy2(workdir / "final_metrics.json", out / "final_metrics.json")
+    if (workdir / "config.json").exists():  # What the run was (bench/pacing_replay.py reads it).
+      shutil.copy2(workdir / "config.json", out / "config.json")
     copied += 1
   return copied
 
