@@ -46,7 +46,7 @@ def test_rerun_with_another_config_is_refused_before_writing(tmp_path):
   with pytest.raises(workdir.WorkdirConflict) as error:
     train.train(changed, tmp_path / "run")
   message = str(error.value)
-  assert "method: 'eppo' -> 'grpo'" in message and "optim.learning_rate: 0.0005 -> 0.01" in message
+  assert "method: 'eppo' -> 'grpo'" in message and "optim.learning_rate: 0.0002 -> 0.01" in message
   assert "allow_config_change" in message
   bigger = smoke_config(tmp_path / "no_model", **{"model.tiny_hidden_size": 64})
   with pytest.raises(workdir.WorkdirConflict, match="model.tiny_hidden_size: 32 -> 64"):

@@ -334,6 +334,8 @@ def test_config_advantage_estimator_reaches_the_update(tmp_path, estimator, per_
   """`config.advantage_estimator` / `config.per_task_std` change the advantages train_step uses."""
   config = smoke_config(tmp_path, **{"advantage_estimator": estimator,
                                      "per_task_std": per_task_std,
+                                     "tasks.specs": ("sokoban:easy", "frozenlake:easy",
+                                                     "countdown:easy"),  # K tasks, as _batch.
                                      "rollout.instances_per_step": B // G, "rollout.group_size": G})
   config_check.validate(config)
   mesh = meshlib.make_mesh(meshlib.DATA_ONLY, jax.devices()[:1])
@@ -403,7 +405,7 @@ jax.monitoring.register_event_duration_secs_listener(
     ({"tasks.specs": ("sokoban:easy", "chess:easy")}, "config.tasks.specs"),
     ({"tasks.specs": ("sokoban:impossible",)}, "config.tasks.specs"),
     ({"rollout.group_size": 1, "rollout.instances_per_step": 4}, "config.rollout.group_size"),
-    ({"tasks.weights": (1.0, 2.0)}, "config.tasks.weights"),
+    ({"tasks.weights": (1.0, 2.0, 3.0)}, "config.tasks.weights"),
     ({"advantage_estimator": "ppo"}, "config.advantage_estimator"),
     ({"advantage_estimator": "rloo", "per_task_std": True}, "config.per_task_std"),
     ({"optim.learning_rate": -1e-3}, "config.optim.learning_rate=-0.001 must be > 0"),
