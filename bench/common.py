@@ -146,3 +146,48 @@ def spread(results: list[dict], key: str) -> str:
 def fastest(seconds_by_setting: dict[int, float]) -> int:
   """The peer setting with the smallest median time."""
   return min(seconds_by_setting, key=seconds_by_setting.get)
+
+
+def _tuples(x):
+  """JSON's lists back as the tuples a config holds."""
+  if isinstance(x, dict):
+    return {k: _tuples(v) for k, v in x.items()}
+  return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def load_run_config(workdir: Path, overrides: Sequence[tuple[str, str]] = ()):
+  """A finished run's config (its `config.json`) with `overrides` ("a.b", "text") applied, for a
+  scratch copy of the run: no TensorBoard, plots or W&B."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  import study  # pylint: disable=g-import-not-at-top
+  path = workdir / "config.json"
+  if not path.exists():
+    raise SystemExit(f"{path} does not exist: the workdir must hold a run (python run.py ... or "
+                     "bench/study.py writes one)")
+  config = ml_collections.ConfigDict(_tuples(json.loads(path.read_text())))
+  try:
+    study.apply_overrides(config, overrides)
+  except ValueError as e:
+    raise SystemExit(str(e)) from None
+  config.train.tensorboard = config.train.plots = False
+  config.train.wandb_project = ""
+  return config
+
+
+def scratch_run(workdir: Path, config, scratch: Path) -> Path:
+  """A copy of `workdir`'s checkpoints (and of its tiny model) under `scratch`, so that setting
+  a trainer up there (which opens logs and a checkpoint manager) writes nothing in `workdir`."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  if not (workdir / "checkpoints").is_dir():
+    raise SystemExit(f"{workdir}/checkpoints does not exist: the workdir holds no policy")
+  run = scratch / "run"
+  shutil.copytree(workdir / "checkpoints", run / "checkpoints",
+                  ignore=shutil.ignore_patterns("*.orbax-checkpoint-tmp*"))
+  if config.model.source == "tiny":
+    tiny = Path(config.model.tiny_dir or workdir / "tiny_model")
+    if not (tiny / "eppo_jax_tiny.json").exists():
+      raise SystemExit(f"the run's tiny model {tiny} is missing")
+    shutil.copytree(tiny, scratch / "tiny_model")
+    config.model.tiny_dir = str(scratch / "tiny_model")
+  return run
+

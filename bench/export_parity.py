@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
-import shutil
 import sys
 import tempfile
 import time
@@ -36,6 +34,8 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+
+import common  # bench/common.py: the script's own folder is on sys.path.
 
 
 @dataclasses.dataclass
@@ -45,40 +45,6 @@ class Played:
   replies: list  # Generated token ids of each turn, the stop token included.
   actions: list  # What `parse_action` read from each reply (None: no action).
   success: bool
-
-
-def load_config(workdir: Path):
-  """The run's config from its `config.json` (JSON lists back as tuples), with no TensorBoard,
-  plots or W&B for the scratch copy."""
-  import ml_collections  # pylint: disable=g-import-not-at-top
-
-  def tuples(x):
-    if isinstance(x, dict):
-      return {k: tuples(v) for k, v in x.items()}
-    return tuple(tuples(v) for v in x) if isinstance(x, list) else x
-
-  path = workdir / "config.json"
-  if not path.exists():
-    raise SystemExit(f"{path} does not exist: --workdir must hold a run (python run.py ...)")
-  config = ml_collections.ConfigDict(tuples(json.loads(path.read_text())))
-  config.train.tensorboard = config.train.plots = False
-  config.train.wandb_project = ""
-  return config
-
-
-def scratch_run(workdir: Path, config, scratch: Path) -> Path:
-  """A copy of the run's checkpoints (and tiny model) under `scratch`: a trainer set up there
-  writes nothing into `workdir`."""
-  if not (workdir / "checkpoints").is_dir():
-    raise SystemExit(f"{workdir}/checkpoints does not exist: no policy to evaluate")
-  run = scratch / "run"
-  shutil.copytree(workdir / "checkpoints", run / "checkpoints",
-                  ignore=shutil.ignore_patterns("*.orbax-checkpoint-tmp*"))
-  if config.model.source == "tiny":
-    tiny = Path(config.model.tiny_dir or workdir / "tiny_model")
-    shutil.copytree(tiny, scratch / "tiny_model")
-    config.model.tiny_dir = str(scratch / "tiny_model")
-  return run
 
 
 def episodes_by_turn(batch, tokenizer) -> list[Played]:
@@ -99,7 +65,7 @@ def project_play(workdir: Path, config, instances) -> tuple[list[Played], int]:
   from eppo_jax import agent, train  # pylint: disable=g-import-not-at-top
   train.use_compilation_cache(config.train.compilation_cache)  # The run's programs, compiled.
   with tempfile.TemporaryDirectory(prefix="export_parity_") as scratch:
-    run = scratch_run(workdir, config, Path(scratch))
+    run = common.scratch_run(workdir, config, Path(scratch))
     trainer = train.Trainer(config, run, None)
     try:
       trainer.setup()
@@ -201,7 +167,7 @@ def compare(workdir, per_task: int, dtype: Optional[str] = None) -> dict:
   if not (workdir / "hf_export" / "config.json").exists():
     raise SystemExit(f"{workdir}/hf_export is missing: the run exports it when it finishes "
                      "(config.train.export_hf)")
-  config = load_config(workdir)
+  config = common.load_run_config(workdir)
   if dtype:
     config.model.dtype = config.model.param_dtype = dtype
   specs = list(config.tasks.specs)

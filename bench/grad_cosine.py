@@ -53,7 +53,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -63,6 +62,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 # ----------------------------------------------------------------------------------------------
@@ -93,57 +94,6 @@ def mean_pairwise_cosine(grads_NxD: np.ndarray) -> tuple[float, float]:
   leave_out = (total - off.sum(axis=1)) / ((n - 1) * (n - 2) / 2)
   se = math.sqrt((n - 1) / n * np.sum((leave_out - leave_out.mean()) ** 2))
   return float(mean), se
-
-
-# ----------------------------------------------------------------------------------------------
-# The workdir's policy and config.
-
-
-def _tuples(x):
-  if isinstance(x, dict):
-    return {k: _tuples(v) for k, v in x.items()}
-  if isinstance(x, list):
-    return tuple(_tuples(v) for v in x)
-  return x
-
-
-def load_config(workdir: Path, overrides: list[tuple[str, str]]):
-  """The run's config (its `config.json`, lists back as tuples), with `overrides` applied, for
-  a scratch copy: no TensorBoard, plots or W&B."""
-  import ml_collections  # pylint: disable=g-import-not-at-top
-  import study  # pylint: disable=g-import-not-at-top
-  path = workdir / "config.json"
-  if not path.exists():
-    raise SystemExit(f"{path} does not exist: --workdir must hold a run (python run.py ... or "
-                     "bench/study.py writes one)")
-  config = ml_collections.ConfigDict(_tuples(json.loads(path.read_text())))
-  for dotted, text in overrides:
-    current = config
-    for part in dotted.split("."):
-      if part not in current:
-        raise SystemExit(f"unknown config field {dotted!r}")
-      current = current[part]
-    study.set_field(config, dotted, study.parse_value(text, current))
-  config.train.tensorboard = config.train.plots = False
-  config.train.wandb_project = ""
-  return config
-
-
-def scratch_workdir(workdir: Path, config, scratch: Path) -> Path:
-  """A copy of `workdir`'s checkpoints (and of its tiny model) under `scratch`, so that setting
-  a trainer up there (which opens logs and a checkpoint manager) writes nothing in `workdir`."""
-  if not (workdir / "checkpoints").is_dir():
-    raise SystemExit(f"{workdir}/checkpoints does not exist: no policy to measure")
-  run = scratch / "run"
-  shutil.copytree(workdir / "checkpoints", run / "checkpoints",
-                  ignore=shutil.ignore_patterns("*.orbax-checkpoint-tmp*"))
-  if config.model.source == "tiny":
-    tiny = Path(config.model.tiny_dir or workdir / "tiny_model")
-    if not (tiny / "eppo_jax_tiny.json").exists():
-      raise SystemExit(f"the run's tiny model {tiny} is missing")
-    shutil.copytree(tiny, scratch / "tiny_model")
-    config.model.tiny_dir = str(scratch / "tiny_model")
-  return run
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,7 +163,7 @@ def main(argv=None) -> None:
   # pylint: enable=g-import-not-at-top
 
   workdir = Path(args.workdir)
-  config = load_config(workdir, overrides)
+  config = common.load_run_config(workdir, overrides)
   r = config.rollout
   group, played = r.group_size, r.instances_per_step * r.group_size
   if bad := [e for e in args.episodes if e <= 0 or e % group]:
@@ -225,7 +175,7 @@ def main(argv=None) -> None:
   train.use_compilation_cache(config.train.compilation_cache)
 
   with tempfile.TemporaryDirectory(prefix="grad_cosine_") as scratch:
-    run = scratch_workdir(workdir, config, Path(scratch))
+    run = common.scratch_run(workdir, config, Path(scratch))
     stamp = None  # The tiny model's fingerprint: setup rebuilds a model that does not match it.
     if config.model.source == "tiny":
       stamp = Path(config.model.tiny_dir) / "eppo_jax_tiny.json"

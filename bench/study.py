@@ -107,12 +107,8 @@ def parse_overrides(extra: list[str]) -> list[tuple[str, str]]:
   return out
 
 
-def base_config(preset: str, overrides: list[tuple[str, str]]):
-  """The preset ("study" = tiny + STUDY_OVERRIDES), then the command line's fields."""
-  config = multitask.get_config("tiny" if preset == "study" else preset)
-  if preset == "study":
-    for dotted, value in STUDY_OVERRIDES.items():
-      set_field(config, dotted, value)
+def apply_overrides(config, overrides) -> None:
+  """Sets each ("a.b", text) of the command line, the text read as the field's type."""
   for dotted, text in overrides:
     current = config
     for part in dotted.split("."):
@@ -120,6 +116,15 @@ def base_config(preset: str, overrides: list[tuple[str, str]]):
         raise ValueError(f"unknown config field {dotted!r}")
       current = current[part]
     set_field(config, dotted, parse_value(text, current))
+
+
+def base_config(preset: str, overrides: list[tuple[str, str]]):
+  """The preset ("study" = tiny + STUDY_OVERRIDES), then the command line's fields."""
+  config = multitask.get_config("tiny" if preset == "study" else preset)
+  if preset == "study":
+    for dotted, value in STUDY_OVERRIDES.items():
+      set_field(config, dotted, value)
+  apply_overrides(config, overrides)
   config.train.export_hf = False
   config.train.tensorboard = False
   return config
