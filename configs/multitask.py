@@ -225,8 +225,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.slice = "cpu:1"
 
   c.distributed = ml_collections.ConfigDict()
-  # "auto": initialise jax.distributed when the environment describes a multi-host job
-  # (TPU pod, SLURM, or the three variables below); "off" / "on" force it.
+  # "auto": initialise jax.distributed when the three fields below are set or jax detects a
+  # multi-host launcher (a Cloud TPU VM pod from its metadata, GKE, Slurm, Open MPI,
+  # JAX_COORDINATOR_ADDRESS: `hosts.launcher`); "off" / "on" force it.
   c.distributed.initialize = "auto"
   c.distributed.coordinator_address = ""
   c.distributed.num_processes = 0

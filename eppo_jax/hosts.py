@@ -26,21 +26,33 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from eppo_jax.mesh import BATCH, batch_sharding, batch_shards
 
-# Variables that tell a multi-host launcher started this process (TPU pods set their own metadata,
-# which `jax.distributed.initialize()` reads without arguments).
-_LAUNCHER_VARS = ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES",
-                  "MEGASCALE_COORDINATOR_ADDRESS")
+def launcher() -> str | None:
+  """What says this process is one host of a multi-host job, or None: `JAX_COORDINATOR_ADDRESS`,
+  else the cluster that `jax.distributed.initialize()` itself would detect (its cluster
+  environments: a Cloud TPU VM pod from its metadata server, GKE TPU workers, Slurm, Open MPI,
+  Kubernetes), in the order jax tries them."""
+  if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    return "JAX_COORDINATOR_ADDRESS"
+  from jax._src import clusters  # pylint: disable=g-import-not-at-top
+  for cluster in clusters.ClusterEnv._cluster_types:  # pylint: disable=protected-access
+    if not cluster.opt_in_only_method and cluster.is_env_present():
+      return cluster.__name__
+  return None
 
 
 def initialize(cfg) -> None:
-  """Starts `jax.distributed` per `cfg.distributed` ("auto" | "on" | "off"); idempotent."""
+  """Starts `jax.distributed` per `cfg.distributed` ("auto" | "on" | "off"); idempotent.
+
+  "auto" starts it when `cfg.coordinator_address` is set or a `launcher()` is found; jax then
+  reads the coordinator, process count and index from that launcher.
+  """
   mode = cfg.initialize
   if mode not in ("auto", "on", "off"):
     raise ValueError(f"distributed.initialize must be auto, on or off; got {mode!r}")
   explicit = bool(cfg.coordinator_address)
-  wanted = mode == "on" or (mode == "auto" and (explicit or any(v in os.environ
-                                                                  for v in _LAUNCHER_VARS)))
-  if not wanted or jax.distributed.is_initialized():
+  found = launcher() if mode == "auto" and not explicit else None
+  if mode == "off" or (mode == "auto" and not explicit and not found) or (
+      jax.distributed.is_initialized()):
     return
   global _heartbeat_s
   _heartbeat_s = int(cfg.heartbeat_timeout_s)
@@ -50,8 +62,9 @@ def initialize(cfg) -> None:
                   num_processes=cfg.num_processes, process_id=cfg.process_id)
   jax.distributed.initialize(**kwargs)
   logging.getLogger(__name__).info(
-      "jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(),
-      jax.process_count(), jax.local_device_count(), jax.device_count())
+      "jax.distributed (%s): process %d of %d, %d local / %d global devices",
+      found or "config.distributed", jax.process_index(), jax.process_count(),
+      jax.local_device_count(), jax.device_count())
 
 
 def put(tree, sharding_tree):

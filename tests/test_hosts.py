@@ -1,0 +1,77 @@
+"""Decisions a pod's hosts take, checked in one process: when `jax.distributed` starts, which
+meshes a pod accepts. (The multi-process runs are in test_pod.py.)"""
+
+import ml_collections
+import pytest
+from jax._src.clusters import cloud_tpu_cluster
+
+from eppo_jax import hosts
+
+_CLUSTER_VARS = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS",
+                 "SLURM_PROCID", "SLURM_LOCALID", "OMPI_MCA_orte_hnp_uri", "TPU_WORKER_HOSTNAMES",
+                 "TPU_PROCESS_ADDRESSES", "KUBERNETES_SERVICE_HOST", "TPU_SKIP_MDS_QUERY")
+
+
+@pytest.fixture
+def bare(monkeypatch):
+  """No launcher variable, not on a Cloud TPU VM; `jax.distributed.initialize` recorded."""
+  for var in _CLUSTER_VARS:
+    monkeypatch.delenv(var, raising=False)
+  monkeypatch.setattr(cloud_tpu_cluster, "running_in_cloud_tpu_vm", False)
+  calls = []
+  monkeypatch.setattr(hosts.jax.distributed, "is_initialized", lambda: False)
+  monkeypatch.setattr(hosts.jax.distributed, "initialize", lambda **kw: calls.append(kw))
+  monkeypatch.setattr(hosts.jax, "process_index", lambda: 0)
+  return calls
+
+
+def _distributed(initialize="auto", address=""):
+  return ml_collections.ConfigDict(dict(initialize=initialize, coordinator_address=address,
+                                        num_processes=2, process_id=1, heartbeat_timeout_s=7))
+
+
+def test_auto_stays_off_on_a_plain_machine(bare):
+  assert hosts.launcher() is None
+  hosts.initialize(_distributed())
+  assert not bare
+
+
+def test_auto_finds_a_tpu_vm_pod_from_its_metadata_alone(bare, monkeypatch):
+  """`gcloud compute tpus tpu-vm ssh --worker=all` sets no variable: jax finds the pod from the
+  metadata server, and so must "auto"."""
+  monkeypatch.setattr(cloud_tpu_cluster, "running_in_cloud_tpu_vm", True)
+  monkeypatch.setattr(cloud_tpu_cluster, "get_metadata",
+                      lambda key: ("3", cloud_tpu_cluster.metadata_response_code_success))
+  assert hosts.launcher() == "GceTpuCluster"
+  hosts.initialize(_distributed())
+  assert bare == [dict(heartbeat_timeout_seconds=7)]  # jax reads the rest from the metadata.
+
+
+@pytest.mark.parametrize("env, found", [
+    ({"JAX_COORDINATOR_ADDRESS": "10.0.0.2:1234"}, "JAX_COORDINATOR_ADDRESS"),
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2",
+      "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}, "SlurmCluster"),
+    ({"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:4"}, "OmpiCluster"),
+])
+def test_auto_finds_each_launcher(bare, monkeypatch, env, found):
+  for var, value in env.items():
+    monkeypatch.setenv(var, value)
+  assert hosts.launcher() == found
+  hosts.initialize(_distributed())
+  assert len(bare) == 1
+
+
+def test_an_interactive_slurm_shell_is_not_a_job(bare, monkeypatch):
+  """`salloc` sets SLURM_NTASKS without a task of its own: jax would not start there either."""
+  monkeypatch.setenv("SLURM_NTASKS", "4")
+  assert hosts.launcher() is None
+
+
+def test_explicit_address_and_off(bare):
+  hosts.initialize(_distributed(address="127.0.0.1:5"))
+  assert bare == [dict(heartbeat_timeout_seconds=7, coordinator_address="127.0.0.1:5",
+                       num_processes=2, process_id=1)]
+  hosts.initialize(_distributed("off", address="127.0.0.1:5"))
+  assert len(bare) == 1
+  with pytest.raises(ValueError, match="auto, on or off"):
+    hosts.initialize(_distributed("maybe"))
