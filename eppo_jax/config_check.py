@@ -213,6 +213,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
                       "pip install 'eppo_jax[wandb]'")
   if config.sft.enabled and config.sft.steps < 1:
     raise _fail("sft.steps", config.sft.steps, "must be >= 1 when config.sft.enabled")
+  demos = config.sft.demos_per_task * len(config.tasks.specs)
+  if config.sft.enabled and demos < jax.process_count():  # Each host plays its share of them.
+    raise ConfigError(f"config.sft.demos_per_task x tasks = {demos} demonstrations for "
+                      f"{jax.process_count()} hosts: every host needs one at least (raise "
+                      "sft.demos_per_task)")
 
 
 def env_backend(config: ml_collections.ConfigDict) -> str:

@@ -5,7 +5,8 @@ import ml_collections
 import pytest
 from jax._src.clusters import cloud_tpu_cluster
 
-from eppo_jax import hosts
+from eppo_jax import config_check, hosts
+from pipeline_util import smoke_config
 
 _CLUSTER_VARS = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS",
                  "SLURM_PROCID", "SLURM_LOCALID", "OMPI_MCA_orte_hnp_uri", "TPU_WORKER_HOSTNAMES",
@@ -75,3 +76,16 @@ def test_explicit_address_and_off(bare):
   assert len(bare) == 1
   with pytest.raises(ValueError, match="auto, on or off"):
     hosts.initialize(_distributed("maybe"))
+
+
+def test_too_few_demonstrations_for_the_hosts_is_refused_up_front(monkeypatch):
+  """8 hosts, 1 task x 4 demonstrations: four hosts would have none (and their SFT nothing to
+  learn from), so the run is refused before anything loads, naming the field."""
+  monkeypatch.setattr(config_check.jax, "process_count", lambda: 8)
+  monkeypatch.setattr(config_check.jax, "device_count", lambda: 8)
+  config = smoke_config("", **{"sft.demos_per_task": 4, "rollout.instances_per_step": 8,
+                               "tasks.specs": ("frozenlake:easy",)})
+  with pytest.raises(config_check.ConfigError, match="sft.demos_per_task x tasks = 4 .* 8 hosts"):
+    config_check.validate(config)
+  config.sft.demos_per_task = 8
+  config_check.validate(config)
