@@ -78,7 +78,10 @@ def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
 
 
 def make_mesh(mesh_cfg, devices: Optional[Sequence[Any]] = None) -> Mesh:
-  """The (data, fsdp, tensor) mesh over `devices` (default: every device of every host)."""
+  """The (data, fsdp, tensor) mesh over `devices` (default: every device of every host).
+
+  Raises ValueError when a batch shard would span several processes (`host_split_shards`).
+  """
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_shape(mesh_cfg, len(devices))
   try:  # Physical placement: `tensor` on the fastest links (innermost), `data` outermost.
@@ -86,7 +89,41 @@ def make_mesh(mesh_cfg, devices: Optional[Sequence[Any]] = None) -> Mesh:
     grid = mesh_utils.create_device_mesh(shape, devices)
   except (AssertionError, ValueError, NotImplementedError):
     grid = np.asarray(devices).reshape(shape)
+  if host_split_shards(grid):  # E.g. tensor 4 along a v5e 4x4 row, whose chips are on 2 hosts.
+    grid = by_process(grid)
+  if split := host_split_shards(grid):
+    (data, fsdp), processes = split[0]
+    raise ValueError(
+        f"config.mesh tensor={shape[2]}: the batch shard (data {data}, fsdp {fsdp}) would span "
+        f"processes {processes}, and a batch shard's rows come from one host; use a tensor size "
+        f"that divides the {len(devices) // _process_count(grid)} devices of a process")
   return Mesh(grid, AXES)
+
+
+def _process_count(grid: np.ndarray) -> int:
+  return len({d.process_index for d in grid.flat})
+
+
+def host_split_shards(grid: np.ndarray) -> list:
+  """[((data, fsdp), processes)] of the batch shards of a [data, fsdp, tensor] device grid whose
+  devices (the shard's tensor group) belong to several processes.
+
+  A host places its own rows of the batch (`hosts.put_rows`), so every device that holds a batch
+  shard must be one host's: a shard split over two hosts would get two hosts' different rows.
+  """
+  owners = np.vectorize(lambda d: d.process_index, otypes=[int])(grid)  # [data, fsdp, tensor]
+  split = owners.min(-1) != owners.max(-1)
+  return [(tuple(int(i) for i in index), sorted(set(owners[tuple(index)].tolist())))
+          for index in np.argwhere(split)]
+
+
+def by_process(grid: np.ndarray) -> np.ndarray:
+  """The devices of `grid` in process-major order, reshaped to its shape: each process's devices
+  consecutive (in their order in `grid`), so that a tensor group that divides a process's
+  devices stays on that process."""
+  flat = list(grid.flat)
+  order = sorted(range(len(flat)), key=lambda i: (flat[i].process_index, i))
+  return np.asarray([flat[i] for i in order], dtype=object).reshape(grid.shape)
 
 
 def batch_shards(mesh: Mesh) -> int:

@@ -178,7 +178,10 @@ class Trainer:
     """Loads the model into its shardings, builds the state and programs, restores the newest
     intact checkpoint (if any) and opens the logs."""
     config, workdir = self.config, self.workdir
-    self.mesh = meshlib.make_mesh(config.mesh)
+    try:
+      self.mesh = meshlib.make_mesh(config.mesh)
+    except ValueError as e:  # A mesh no layout of these hosts' devices can serve: one line.
+      raise config_check.ConfigError(str(e)) from e
     self.model, params, self.tokenizer = load_model(config, workdir, self.mesh)
     self.chat = agent.ChatFormat(self.tokenizer, stop_token_ids(self.tokenizer),
                                  config.tasks.system_prompt)

@@ -1,11 +1,16 @@
 """Decisions a pod's hosts take, checked in one process: when `jax.distributed` starts, which
 meshes a pod accepts. (The multi-process runs are in test_pod.py.)"""
 
+import importlib.util
+import types
+
 import ml_collections
+import numpy as np
 import pytest
 from jax._src.clusters import cloud_tpu_cluster
 
 from eppo_jax import config_check, hosts
+from eppo_jax import mesh as meshlib
 from pipeline_util import smoke_config
 
 _CLUSTER_VARS = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS",
@@ -89,3 +94,45 @@ def test_too_few_demonstrations_for_the_hosts_is_refused_up_front(monkeypatch):
     config_check.validate(config)
   config.sft.demos_per_task = 8
   config_check.validate(config)
+
+
+class _Device(types.SimpleNamespace):
+  """A stand-in device: an id and the process that owns it."""
+
+
+def _grid(owners) -> np.ndarray:
+  """Devices laid out like `owners` [data, fsdp, tensor] (each entry: the owning process)."""
+  owners = np.asarray(owners)
+  flat = [_Device(id=i, process_index=int(p)) for i, p in enumerate(owners.flat)]
+  return np.asarray(flat, dtype=object).reshape(owners.shape)
+
+
+def test_a_batch_shard_split_over_hosts_is_found_and_rearranged():
+  """2 hosts x 2 devices, data 2 x tensor 2, each tensor pair across both hosts (as a physical
+  placement may put them): both shards are split; laid out by process, each host holds one."""
+  grid = _grid([[[0, 1]], [[0, 1]]])
+  assert meshlib.host_split_shards(grid) == [((0, 0), [0, 1]), ((1, 0), [0, 1])]
+  fixed = meshlib.by_process(grid)
+  assert meshlib.host_split_shards(fixed) == []
+  assert [[d.process_index for d in row.flat] for row in fixed] == [[0, 0], [1, 1]]
+  assert [d.id for d in fixed.flat] == [0, 2, 1, 3]  # Each host's devices keep their order.
+
+
+def test_a_tensor_size_no_host_can_hold_is_refused(monkeypatch):
+  """3 hosts x 4 devices, tensor 3: every layout splits a tensor group over two hosts."""
+  devices = [_Device(id=i, process_index=i // 4, device_kind="cpu", platform="cpu")
+             for i in range(12)]
+  with pytest.raises(ValueError, match=r"tensor=3: the batch shard \(data 1, fsdp 0\) would span "
+                     r"processes \[0, 1\].*divides the 4 devices of a process"):
+    meshlib.make_mesh(meshlib.MeshConfig(data=-1, tensor=3), devices)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="needs libtpu for the topology: pip install -e '.[fit]'")
+def test_v5e_4x4_fsdp_4_tensor_4_puts_each_batch_shard_on_one_host():
+  """On a v5e 4x4 (4 hosts of 2x2 chips) jax's physical placement runs tensor 4 along a row of
+  the torus, over 2 hosts; the mesh takes each host's 4 chips as one tensor group instead."""
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  devices = list(topologies.get_topology_desc("v5e:4x4", "tpu").devices)
+  mesh = meshlib.make_mesh(meshlib.MeshConfig(data=1, fsdp=4, tensor=4), devices)
+  assert meshlib.host_split_shards(mesh.devices) == []

@@ -158,3 +158,36 @@ def test_compaction_across_hosts_keeps_greedy_replies(tiny, tmp_path):
   for host in out:
     assert host["rows"] == [16, 16, 4]  # Global rows: 2 hosts x 8, then 2 x 2.
     assert all(host["same"]), host
+
+
+_SPLIT = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    jax.distributed.initialize({address!r}, 2, int(sys.argv[1]), heartbeat_timeout_seconds=10)
+    from jax.experimental import mesh_utils
+    from eppo_jax import hosts
+    from eppo_jax import mesh as meshlib
+    d = jax.devices()  # Host 0's two devices, then host 1's.
+    # A physical placement that puts each tensor pair across both hosts.
+    mesh_utils.create_device_mesh = lambda shape, devices: np.asarray(
+        [d[0], d[2], d[1], d[3]], dtype=object).reshape(shape)
+    mesh = meshlib.make_mesh(meshlib.MeshConfig(data=2, fsdp=1, tensor=2))
+    host = jax.process_index()
+    rows = 10 * host + np.arange(2, dtype=np.float32)[:, None] + np.zeros((2, 3), np.float32)
+    batch = hosts.put_rows({{"x": rows}}, mesh)["x"]
+    with open(sys.argv[2], "w") as f:
+      json.dump(dict(shape=list(batch.shape), rows=hosts.fetch(batch)[:, 0].tolist(),
+                     back=bool((hosts.local_rows(batch, mesh) == rows).all()),
+                     tensor=[[x.process_index for x in g] for g in mesh.devices.reshape(2, 2)]),
+                f)
+""")
+
+
+def test_a_mesh_whose_batch_shards_span_hosts_is_laid_out_by_host(tmp_path):
+  """2 processes x 2 devices, data 2 x tensor 2, a placement that splits each tensor pair over
+  the hosts: the mesh is laid out so that each host holds a whole batch shard, and the global
+  batch has all 4 rows (2 per host, each in its place)."""
+  script = tmp_path / "split.py"
+  script.write_text(_SPLIT.format(address=f"127.0.0.1:{pod.free_port()}"))
+  for out in pod.run_script(script, tmp_path, cwd=ROOT, timeout_s=120, devices=2):
+    assert out == dict(shape=[4, 3], rows=[0, 1, 10, 11], back=True, tensor=[[0, 0], [1, 1]])
