@@ -8,7 +8,9 @@ on another (or as NumPy). Host-side state (task-sampler position, metrics histor
 item next to them. Orbax writes each step to a temporary directory and renames it when complete,
 so a kill during a save leaves the previous checkpoint as the latest usable one. A checkpoint
 damaged afterwards (a truncated or deleted file) is reported in one line by `restore_intact`, which
-falls back to the newest one that reads back on every host: all hosts restore the same step.
+falls back to the newest one that reads back on every host: all hosts restore the same step. A read
+that fails for a reason outside the files (out of memory, a storage service that times out or is
+unavailable) is retried, and if it keeps failing the run stops with every checkpoint left in place.
 
 The directory is local or a URL (gs://bucket/run/checkpoints), reached through `etils.epath`; on
 GCS orbax marks a finished step with a commit file instead of the rename.
@@ -17,8 +19,11 @@ GCS orbax marks a finished step with a commit file instead of the rename.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import re
 import sys
+import time
 import zlib
 from typing import Any, Optional
 
@@ -31,9 +36,28 @@ from eppo_jax import hosts, workdir as workdir_lib
 log = logging.getLogger(__name__)
 
 
-# The barrier that ends every orbax restore (`Checkpointer.restore`); a host whose read failed
-# before it joins it too, so that the hosts whose read worked are not left waiting in it.
-_RESTORE_BARRIER = "Checkpointer:restore"
+# Outcomes of one attempt to read a checkpoint, ordered: the hosts agree on the largest.
+_READ, _DAMAGED, _FAILED = 0, 1, 2
+_ATTEMPTS = 3  # Reads of a checkpoint before a failure that is not damage stops the run.
+_RETRY_S = 5.0  # Wait before the second attempt; doubled before each further one.
+# Failures of the reading, not of the files: memory, and a storage service's transient answers
+# (tensorstore and gRPC status names, HTTP 429 / 5xx wording).
+_TRANSIENT = re.compile(r"\b(RESOURCE_EXHAUSTED|UNAVAILABLE|DEADLINE_EXCEEDED|ABORTED|CANCELLED)\b|"
+                        r"out of memory|timed? ?out|too many requests|service unavailable|"
+                        r"connection (reset|refused|aborted)|temporarily", re.IGNORECASE)
+_TRANSIENT_ERRNOS = {errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED,
+                     errno.EAGAIN, errno.ENOMEM, errno.EHOSTUNREACH, errno.ENETUNREACH,
+                     errno.ENETDOWN, errno.EINTR}
+
+
+def read_failure(error: BaseException) -> int:
+  """`_FAILED` if `error` says the reading failed (memory, the storage service, the network) and
+  may not fail again, else `_DAMAGED`: missing, truncated or inconsistent files."""
+  if isinstance(error, (MemoryError, TimeoutError, ConnectionError)):
+    return _FAILED
+  if isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNOS:
+    return _FAILED
+  return _FAILED if _TRANSIENT.search(str(error)) else _DAMAGED
 
 
 class NoIntactCheckpoint(RuntimeError):
@@ -42,6 +66,10 @@ class NoIntactCheckpoint(RuntimeError):
 
 class HostsDisagree(RuntimeError):
   """The hosts see different checkpoints: the directory is not one they all share."""
+
+
+class CheckpointReadFailed(RuntimeError):
+  """A checkpoint could not be read for a reason other than damage, on every attempt."""
 
 
 def _drop_closed_loop_errors(unraisable) -> None:
@@ -116,8 +144,15 @@ class Checkpointer:
     if step is None:
       raise FileNotFoundError(f"no checkpoint under {self.directory}")
     abstract = jax.tree_util.tree_map(_abstract, like)
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    # orbax's handler, not its Checkpointer: the Checkpointer ends a restore in a barrier of all
+    # hosts, which a host whose read failed would never reach. Hosts that restore together
+    # agree afterwards (`restore_intact`).
+    handler = ocp.CompositeCheckpointHandler()
+    try:
+      restored = handler.restore(self.directory / str(step), ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    finally:
+      handler.close()
     return restored["state"], restored["meta"]
 
   def all_steps(self) -> list[int]:
@@ -125,35 +160,50 @@ class Checkpointer:
 
   def restore_intact(self, like: Any) -> tuple[Optional[int], Any, dict]:
     """(step, state, meta) of the newest checkpoint that reads back on every host; (None, None, {})
-    if there is none. Each unreadable one is reported in one warning line naming it.
+    if there is none. Each damaged one is reported in one warning line naming it and set aside.
 
-    Called by all hosts together: a step one host cannot read is passed over by all of them.
+    Called by all hosts together: a step one host cannot read is passed over by all of them. A
+    read that fails for another reason than damage (`read_failure`) on any host is retried by all
+    (`_ATTEMPTS` in all); if it still fails, every host raises `CheckpointReadFailed` and nothing
+    is set aside.
     """
     steps = self.all_steps()
     self._check_hosts_agree(steps)
     for step in reversed(steps):
-      error = None
-      try:
-        with _quiet_orbax():
-          state, meta = self.restore(like, step)
-      except Exception as e:  # Any failure to read means: damaged; the reason goes in the line.
-        error = e
-        if jax.process_count() > 1:
-          ocp.multihost.sync_global_processes(_RESTORE_BARRIER)
-      if not hosts.global_max(int(error is not None)):  # It read back on every host.
+      for attempt in range(_ATTEMPTS):
+        outcome, error, state, meta = self._try_restore(like, step)
+        agreed = hosts.global_max(outcome)
+        if agreed != _FAILED or attempt == _ATTEMPTS - 1:
+          break
+        wait = _RETRY_S * 2 ** attempt
+        log.warning("checkpoint %s: reading failed (%s); attempt %d of %d in %.0f s",
+                    self.directory / str(step), _reason(error, "on another host"), attempt + 2,
+                    _ATTEMPTS, wait)
+        time.sleep(wait)
+      if agreed == _READ:
         if step != steps[-1]:
           self._set_aside([s for s in steps if s > step])
         return step, state, meta
-      if error is None:
-        reason = "it read back here, not on every host"
-      else:
-        reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+      if agreed == _FAILED:
+        raise CheckpointReadFailed(
+            f"checkpoint {self.directory / str(step)} could not be read in {_ATTEMPTS} attempts "
+            f"({_reason(error, 'on another host')}); it is not damaged as far as can be told and "
+            "was left in place: rerun when the cause is gone")
       log.warning("checkpoint %s is unreadable (%s); falling back to an older one",
-                  self.directory / str(step), reason)
+                  self.directory / str(step), _reason(error, "it read back here, not on every host"))
     if steps:
       raise NoIntactCheckpoint(f"none of the checkpoints {steps} under {self.directory} can be "
                                "read (see the warnings above); move them away to start over")
     return None, None, {}
+
+  def _try_restore(self, like: Any, step: int) -> tuple[int, Optional[BaseException], Any, dict]:
+    """(outcome, error, state, meta) of one attempt to read `step` on this host."""
+    try:
+      with _quiet_orbax():
+        state, meta = self.restore(like, step)
+      return _READ, None, state, meta
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      return read_failure(e), e, None, {}
 
   def _check_hosts_agree(self, steps: list[int]) -> None:
     """Raises `HostsDisagree` on every host unless all hosts list the same steps (a workdir on
@@ -187,3 +237,10 @@ class Checkpointer:
 
   def close(self) -> None:
     self._manager.close()
+
+
+def _reason(error: Optional[BaseException], otherwise: str) -> str:
+  """`Type: first line` of `error` (200 characters at most), or `otherwise` when there is none."""
+  if error is None:
+    return otherwise
+  return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"

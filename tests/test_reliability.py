@@ -1,5 +1,6 @@
 """The run survives its failures: one run per workdir, damaged checkpoints, signals, hung envs."""
 
+import errno
 import json
 import logging
 import multiprocessing
@@ -14,7 +15,9 @@ import numpy as np
 import pytest
 
 import faulty_envs  # pylint: disable=unused-import  (registers the faulty tasks)
-from eppo_jax import train, workdir
+import orbax.checkpoint as ocp
+
+from eppo_jax import checkpoint, train, workdir
 from eppo_jax.checkpoint import Checkpointer, NoIntactCheckpoint
 from pipeline_util import (ROOT, assert_trees_equal, compile_cache, smoke_config, smoke_tiny_dir,
                            state_like)
@@ -113,6 +116,64 @@ def test_damaged_latest_checkpoint_falls_back_in_one_line(tmp_path, caplog, capf
   _damage(tmp_path / "ckpt" / "2")
   with pytest.raises(NoIntactCheckpoint, match="none of the checkpoints"):
     ckpt.restore_intact(state)
+
+
+def _failing_reads(monkeypatch, error: Exception, times: int) -> list:
+  """The first `times` reads of a checkpoint raise `error` (each read appends to the list)."""
+  read, calls = ocp.CompositeCheckpointHandler.restore, []
+
+  def restore(self, directory, *args, **kwargs):
+    calls.append(directory.name)
+    if len(calls) <= times:
+      raise error
+    return read(self, directory, *args, **kwargs)
+  monkeypatch.setattr(ocp.CompositeCheckpointHandler, "restore", restore)
+  monkeypatch.setattr(checkpoint, "_RETRY_S", 0.0)
+  return calls
+
+
+def _two_checkpoints(directory) -> tuple[Checkpointer, dict]:
+  ckpt = Checkpointer(directory, keep=3)
+  state = {"a": np.arange(10, dtype=np.float32)}
+  for step in (1, 2):
+    ckpt.save(step, jax.tree_util.tree_map(lambda x, s=step: x * s, state), {"step": step})
+  return ckpt, state
+
+
+def test_a_read_that_times_out_once_is_retried_not_set_aside(tmp_path, monkeypatch, caplog):
+  ckpt, state = _two_checkpoints(tmp_path / "ckpt")
+  calls = _failing_reads(monkeypatch, OSError(errno.ETIMEDOUT, "Connection timed out"), 1)
+  with caplog.at_level(logging.WARNING):
+    step, restored, meta = ckpt.restore_intact(state)
+  assert step == 2 and meta == {"step": 2} and calls == ["2", "2"]
+  np.testing.assert_array_equal(restored["a"], 2 * state["a"])
+  assert "attempt 2 of 3" in caplog.text and "unreadable" not in caplog.text
+  assert ckpt.all_steps() == [1, 2] and not (tmp_path / "ckpt.unreadable").exists()
+
+
+def test_out_of_memory_on_every_read_stops_and_leaves_the_checkpoints(tmp_path, monkeypatch):
+  """Memory is no damage: after 3 attempts the run stops; no checkpoint is set aside."""
+  ckpt, state = _two_checkpoints(tmp_path / "ckpt")
+  oom = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 7.00GiB.")
+  calls = _failing_reads(monkeypatch, oom, 99)
+  with pytest.raises(checkpoint.CheckpointReadFailed, match=r"ckpt/2 could not be read in 3 "
+                     r"attempts \(RuntimeError: RESOURCE_EXHAUSTED.*left in place"):
+    ckpt.restore_intact(state)
+  assert calls == ["2", "2", "2"]
+  assert ckpt.all_steps() == [1, 2] and not (tmp_path / "ckpt.unreadable").exists()
+
+
+@pytest.mark.parametrize("error, damaged", [
+    (FileNotFoundError("checkpoint/2/state/manifest.ocdbt"), True),
+    (ValueError("DATA_LOSS: Error reading local file \"d/1f3\": Unexpected end of file"), True),
+    (ValueError("NOT_FOUND: Error opening \"zarr\" driver: Metadata at ... does not exist"), True),
+    (OSError(errno.ECONNRESET, "Connection reset by peer"), False),
+    (ValueError("UNAVAILABLE: HTTP response code: 503 with body: Service Unavailable"), False),
+    (ValueError("DEADLINE_EXCEEDED: Timed out waiting for GCS"), False),
+    (MemoryError(), False),
+])
+def test_damage_is_told_from_a_failure_to_read(error, damaged):
+  assert (checkpoint.read_failure(error) == checkpoint._DAMAGED) == damaged
 
 
 def test_run_resumes_from_the_newest_intact_checkpoint(smoke_tiny_dir, compile_cache, tmp_path,

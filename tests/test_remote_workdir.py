@@ -189,7 +189,7 @@ _HOST = textwrap.dedent("""
     import jax
     import numpy as np
     from etils import epath
-    from orbax.checkpoint._src.checkpointers import checkpointer as orbax_checkpointer
+    import orbax.checkpoint as ocp
     process = int(sys.argv[1])
     jax.distributed.initialize({address!r}, num_processes=2, process_id=process)
     import fake_gcs
@@ -217,13 +217,13 @@ _HOST = textwrap.dedent("""
              "b": np.zeros(3, np.int32)}}
 
     failures = []
-    read = orbax_checkpointer.Checkpointer._restore
-    def read_fails_once_on_host_1(self, directory, args):
+    read = ocp.CompositeCheckpointHandler.restore
+    def read_fails_once_on_host_1(self, directory, *args, **kwargs):
       if process == 1 and epath.Path(directory).name == "2" and not failures:
         failures.append(1)
         raise OSError("injected read error on host 1")
-      return read(self, directory, args)
-    orbax_checkpointer.Checkpointer._restore = read_fails_once_on_host_1
+      return read(self, directory, *args, **kwargs)
+    ocp.CompositeCheckpointHandler.restore = read_fails_once_on_host_1
 
     with fake_gcs.served_from({root!r}):
       ckpt = checkpoint.Checkpointer({url!r} + "/checkpoints", keep=3)
