@@ -60,12 +60,11 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     std_logging.getLogger("eppo_jax").setLevel(std_logging.INFO)
   # pylint: disable-next=g-import-not-at-top
-  from eppo_jax import checkpoint, config_check, interrupt, train, workdir
+  from eppo_jax import interrupt, train
   print(f"config:\n{flags.FLAGS.config}", flush=True)
   try:
     record = train.train(flags.FLAGS.config, flags.FLAGS.workdir)
-  except (config_check.ConfigError, workdir.WorkdirConflict, workdir.WorkdirUnusable,
-          checkpoint.HostsDisagree) as e:
+  except train.REPORTED_ERRORS as e:
     sys.exit(f"error: {e}")
   except interrupt.Interrupted as e:
     print(e, flush=True)

@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import threading
+import time
 
 import jax
 import numpy as np
@@ -172,17 +173,23 @@ def barrier(name: str) -> None:
 # Stopping together.
 
 _FAILURES = "eppo_jax/failed/"  # Keys of the coordination service's store: host index -> cause.
+_RAISED = "eppo_jax/raised/"  # The same for the `together` exceptions of `stop_together`.
+_TOGETHER_S = 30.0  # How long a host waits for the others to raise a `together` exception too.
 _ASK_TIMEOUT_S = 5.0  # How long a failing host asks the service about the others before exiting.
 _heartbeat_s = 100  # jax.distributed's heartbeat timeout (`initialize` sets the configured one).
 
 
 @contextlib.contextmanager
-def stop_together(agreed: tuple[type[BaseException], ...] = ()):
+def stop_together(agreed: tuple[type[BaseException], ...] = (),
+                  together: tuple[type[BaseException], ...] = ()):
   """Makes an exception on one host of a multi-host run end every host (a no-op on one process).
 
-  An exception that leaves the block, other than the `agreed` ones (those every host raises at
-  the same point, such as a stop that the hosts agreed on), ends this process at once with status
-  1 instead of propagating: it is logged with its traceback, recorded in `jax.distributed`'s
+  The `agreed` exceptions (raised by every host at the same point by construction, such as a stop
+  that the hosts agreed on) propagate. The `together` ones (usually raised by every host, such as
+  a bad config, but not by construction) propagate if every host raises one within
+  `_TOGETHER_S`, so each host reports it as what it is and the hosts exit together; otherwise
+  they are treated as any other exception. Any other exception that leaves the block ends this
+  process at once with status 1 instead of propagating: it is logged with its traceback, recorded in `jax.distributed`'s
   key-value store, and one line on stderr, `error: host I of N ...`, names the host and the
   cause. Nothing else runs on the way out (no `finally`, no `atexit`): a clean exit would wait in
   the service's shutdown barrier for hosts that wait in a collective for this one. With this
@@ -197,7 +204,26 @@ def stop_together(agreed: tuple[type[BaseException], ...] = ()):
   except BaseException as error:  # pylint: disable=broad-exception-caught
     if not jax.distributed.is_initialized() or jax.process_count() == 1:
       raise
+    if isinstance(error, together) and _every_host_raised(error):
+      raise
     _exit_failed(error)
+
+
+def _every_host_raised(error: BaseException) -> bool:
+  """Records in the coordination service that this host raised `error`; True once every host has
+  recorded one (False after `_TOGETHER_S`, or if the service cannot be reached)."""
+  try:
+    from jax._src import distributed  # pylint: disable=g-import-not-at-top
+    client = distributed.global_state.client
+    client.key_value_set(f"{_RAISED}{jax.process_index()}", _cause(error), allow_overwrite=True)
+    deadline = time.monotonic() + _TOGETHER_S
+    while time.monotonic() < deadline:
+      if len(client.key_value_dir_get(_RAISED)) >= jax.process_count():
+        return True
+      time.sleep(0.2)
+  except Exception:  # pylint: disable=broad-exception-caught
+    pass
+  return False
 
 
 def _cause(error: BaseException) -> str:

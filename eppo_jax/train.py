@@ -30,7 +30,8 @@ from eppo_jax import (agent, config_check, gigpo, groups, hosts, interrupt, lora
                       steps, workdir as workdir_lib)
 from eppo_jax.episodes import EpisodeBatch, PER_TURN_FIELDS, training_rewards
 from eppo_jax import mesh as meshlib
-from eppo_jax.checkpoint import Checkpointer
+from eppo_jax.checkpoint import (CheckpointReadFailed, Checkpointer, HostsDisagree,
+                                 NoIntactCheckpoint)
 from eppo_jax.envs import registry
 from eppo_jax.envs.sampler import TaskSampler
 from eppo_jax.metrics import MetricsLogger
@@ -46,6 +47,18 @@ _KEY_PURPOSES = ("rollout", "train", "eval", "lora")
 _NO_SIGNAL_STEPS = 5
 
 log = logging.getLogger(__name__)
+
+
+class TooManyBadSteps(FloatingPointError):
+  """`train.max_bad_steps` consecutive RL steps learned nothing; the last good state is saved."""
+
+
+# What ends a run with its message alone (run.py: "error: ..."), not a traceback: mistakes in
+# the config or the workdir, and states of the checkpoints or the training that the message
+# explains. Every host raises them at the same point (`hosts.stop_together`).
+REPORTED_ERRORS = (config_check.ConfigError, workdir_lib.WorkdirConflict,
+                   workdir_lib.WorkdirUnusable, HostsDisagree, NoIntactCheckpoint,
+                   CheckpointReadFailed, TooManyBadSteps)
 
 
 def named_keys(seed: int) -> dict:
@@ -433,7 +446,7 @@ class Trainer:
           f"{t.num_steps} and saved a checkpoint in {self.ckpt.directory}; rerun the same "
           "command to resume.", signalled)
     if stop:
-      raise FloatingPointError(
+      raise TooManyBadSteps(
           f"{self.bad_steps} consecutive RL steps had no usable episodes, or a non-finite loss, "
           f"gradient or entropy (last: step {step}); stopped. The checkpoint in "
           f"{self.ckpt.directory} holds the last good parameters: lower "
@@ -490,12 +503,13 @@ def train(config: ml_collections.ConfigDict, workdir) -> dict:
   """Runs (or resumes) the configured job in `workdir`; returns the last logged record.
 
   Raises `interrupt.Interrupted` after saving a checkpoint when SIGINT or SIGTERM arrives (on
-  several hosts: on any one of them; every host saves the same step). On several hosts any other
-  exception ends the process (status 1) with a line naming the host and the cause, so that every
-  host stops (`hosts.stop_together`); on one host it propagates.
+  several hosts: on any one of them; every host saves the same step), and `REPORTED_ERRORS` on
+  every host that raises one. On several hosts any other exception, or one of those raised by
+  some hosts only, ends the process (status 1) with a line naming the host and the cause, so
+  that every host stops (`hosts.stop_together`); on one host it propagates.
   """
   hosts.initialize(config.distributed)
-  with hosts.stop_together(agreed=(interrupt.Interrupted,)):
+  with hosts.stop_together(agreed=(interrupt.Interrupted,), together=REPORTED_ERRORS):
     config_check.validate(config)
     workdir_lib.claim(config, workdir, write=jax.process_index() == 0)
     use_compilation_cache(config.train.compilation_cache)

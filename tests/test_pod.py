@@ -191,3 +191,20 @@ def test_a_mesh_whose_batch_shards_span_hosts_is_laid_out_by_host(tmp_path):
   script.write_text(_SPLIT.format(address=f"127.0.0.1:{pod.free_port()}"))
   for out in pod.run_script(script, tmp_path, cwd=ROOT, timeout_s=120, devices=2):
     assert out == dict(shape=[4, 3], rows=[0, 1, 10, 11], back=True, tensor=[[0, 0], [1, 1]])
+
+
+def test_a_config_error_on_every_host_is_reported_as_itself(tmp_path):
+  """run.py on 2 processes with instances that do not split over 2 hosts: every host raises the
+  same ConfigError, so each prints run.py's one line and exits 1, and none blames the other."""
+  port = pod.free_port()
+  argv = lambda i: [sys.executable, "run.py", "--config=configs/multitask.py:smoke",
+                    "--config.rollout.instances_per_step=3",
+                    f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+                    "--config.distributed.num_processes=2",
+                    f"--config.distributed.process_id={i}", f"--workdir={tmp_path / 'run'}"]
+  codes = pod.wait_all(pod.launch(argv, 2, tmp_path, devices=1, cwd=ROOT), 120)
+  logs = [pod.log_text(tmp_path, i) for i in range(2)]
+  assert codes == [1, 1], logs
+  for log in logs:
+    assert log.strip().splitlines()[-1] == ("error: config.rollout.instances_per_step=3 does not "
+                                            "split over 2 hosts"), log[-2000:]
