@@ -6,7 +6,8 @@ Each process is one "host" of a `jax.distributed` job on localhost (the project'
 1 + seed % 4 turns, so hosts play different numbers of turns. Scenarios:
 
   agree   every host finishes; the records every host logged must be identical
-  term    SIGTERM to one host during an RL step: every host saves the same step and exits 143
+  term    SIGTERM to one host during an RL step: every host stops at the next phase boundary,
+          saves the same step and exits 143 (`--slow`: steps of several seconds, to time it)
   kill    kill -9 of one host during an RL step: every other host must stop within the bound
   raise   every environment reset fails on one host (its SFT demonstrations: a RuntimeError there)
   resume  `term`, then the same workdir resumed on another number of processes, to the end
@@ -16,6 +17,7 @@ Each process is one "host" of a `jax.distributed` job on localhost (the project'
   python bench/pod.py --scenario agree --processes 4 --devices 2 --fsdp 8
   python bench/pod.py --scenario kill --processes 4 --devices 2
   python bench/pod.py --scenario resume --processes 2 --devices 2 --resume-processes 1
+  python bench/pod.py --scenario term --steps 4 --after 2 --slow 1   # time SIGTERM -> saved
 
 It prints one JSON line per scenario: what was injected, exit codes, seconds, agreement. The test
 suite runs a small form (tests/test_pod.py); the larger form's numbers are in docs/scaling.md.
@@ -48,6 +50,7 @@ from eppo_jax.envs.base import TextEnv, Transition
 
 HOST_VAR = "EPPO_POD_HOST"  # This process's index, for the injected environment failures.
 FAIL_VAR = "EPPO_POD_FAIL"  # "HOST:reset" (every reset raises there) or "HOST:step".
+SLOW_VAR = "EPPO_POD_SLOW_S"  # Seconds each environment step sleeps: a slow RL step.
 
 
 # ------------------------------------------------------------------------------------------------
@@ -69,7 +72,7 @@ class PacedTask(TextEnv):
   """Exactly 1 + seed % 4 turns per episode, whatever the replies; a turn answered with a number
   scores 1, anything else the invalid-action penalty. Built to end episodes after different
   numbers of turns on different hosts. FAIL_VAR makes one host's envs raise: at every reset, or
-  at the second step of every seed that is a multiple of 3."""
+  at the second step of every seed that is a multiple of 3; SLOW_VAR makes every step slow."""
 
   task_name = "paced"
   LEVELS = {"easy": PacedLevel()}
@@ -91,6 +94,7 @@ class PacedTask(TextEnv):
     return self._round(False)
 
   def _round(self, valid: bool) -> Transition:
+    time.sleep(float(os.environ.get(SLOW_VAR, 0)))
     if _failing("step") and self.seed % 3 == 0 and self._steps == 2:
       raise RuntimeError(f"injected: a step fails on host {os.environ[HOST_VAR]}")
     self._valid &= valid
@@ -228,9 +232,22 @@ def host_main(args) -> int:
     record = log(self, step, *rest, **kwargs)
     with records.open("a") as f:
       f.write(json.dumps(comparable(record)) + "\n")
+    with records.with_suffix(".times").open("a") as f:  # When: for the durations of the steps.
+      f.write(json.dumps([step, time.time()]) + "\n")
     return record
 
   metrics.MetricsLogger.log = log_here
+  from eppo_jax import policy  # pylint: disable=g-import-not-at-top
+  shrink, compactions = policy.ModelPolicy._maybe_compact, []
+
+  def compact_here(self, cache, *rest):  # Counts the turns at which the batch shrank.
+    rows = len(self._rows_R)
+    out = shrink(self, cache, *rest)
+    if len(self._rows_R) < rows:
+      compactions.append([rows, len(self._rows_R)])
+    return out
+
+  policy.ModelPolicy._maybe_compact = compact_here
   import jax  # pylint: disable=g-import-not-at-top
   try:
     record = train.train(config, args.workdir)
@@ -238,7 +255,8 @@ def host_main(args) -> int:
     code = 0
   except interrupt.Interrupted as e:
     result, code = dict(interrupted=e.signum, message=str(e)), 128 + e.signum
-  result.update(processes=jax.process_count(), devices=jax.device_count())
+  result.update(processes=jax.process_count(), devices=jax.device_count(),
+                compactions=compactions)
   out.write_text(json.dumps(result))
   return code
 
@@ -257,6 +275,7 @@ class Pod:
   logs: Path
   overrides: dict = dataclasses.field(default_factory=dict)
   fail: str = ""  # FAIL_VAR for every host: "HOST:reset" or "HOST:step".
+  slow_s: float = 0.0  # SLOW_VAR for every host.
   procs: list = dataclasses.field(default_factory=list)
   exited: dict = dataclasses.field(default_factory=dict)  # host -> time.monotonic() at its exit.
 
@@ -270,13 +289,20 @@ class Pod:
         sys.executable, __file__, "host", "--process-id", str(i), "--processes",
         str(self.processes), "--port", str(port), "--workdir", str(self.workdir), "--out",
         str(self.logs / f"out{i}.json"), "--overrides", overrides], self.processes, self.logs,
-                        self.devices, env={FAIL_VAR: self.fail})
+                        self.devices, env={FAIL_VAR: self.fail, SLOW_VAR: str(self.slow_s)})
     self.started = time.monotonic()
     return self
 
   def records(self, i: int) -> list[dict]:
     path = self.logs / f"out{i}.records.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+  def step_seconds(self, i: int = 0) -> Optional[float]:
+    """The median time between host i's records of consecutive RL steps (None: fewer than 2)."""
+    path = self.logs / f"out{i}.records.times"
+    times = dict(json.loads(line) for line in path.read_text().splitlines()) if path.exists() else {}
+    gaps = [times[s] - times[s - 1] for s in times if s >= 2 and s - 1 in times]
+    return round(float(sorted(gaps)[len(gaps) // 2]), 1) if gaps else None
 
   def out(self, i: int) -> Optional[dict]:
     path = self.logs / f"out{i}.json"
@@ -348,7 +374,8 @@ def inject(pod: Pod, victim: int, signum: int, timeout_s: float, after: int = 0)
   after = {i: round(t - sent, 1) for i, t in sorted(pod.exited.items())}
   records = [pod.records(i) for i in range(pod.processes)]
   return _summary(pod, codes, injected=f"{signal.Signals(signum).name} to host {victim}",
-                  seconds_after=after, last_step=[r[-1]["step"] if r else None for r in records],
+                  seconds_after=after, step_s=pod.step_seconds(0),
+                  last_step=[r[-1]["step"] if r else None for r in records],
                   identical=all(r == records[0] for r in records), lines=pod.error_lines(),
                   messages=[(pod.out(i) or {}).get("message") for i in range(pod.processes)])
 
@@ -382,6 +409,10 @@ def main(argv=None) -> None:
   parser.add_argument("--fsdp", type=int, default=0, help="mesh.fsdp (0: every device)")
   parser.add_argument("--steps", type=int, default=3, help="RL steps")
   parser.add_argument("--victim", type=int, default=1, help="the host that is signalled / fails")
+  parser.add_argument("--after", type=int, default=1,
+                      help="term / kill: signal the victim once host 0 logged this RL step")
+  parser.add_argument("--slow", type=float, default=0.0,
+                      help="seconds each environment step sleeps (a slow RL step)")
   parser.add_argument("--resume-processes", type=int, default=1)
   parser.add_argument("--heartbeat", type=int, default=10, help="distributed.heartbeat_timeout_s")
   parser.add_argument("--timeout", type=float, default=900, help="seconds per pod run")
@@ -403,7 +434,8 @@ def main(argv=None) -> None:
                  "train.eval_instances_per_task": max(4, 2 * args.processes),
                  "distributed.heartbeat_timeout_s": args.heartbeat,
                  **{k: json.loads(v) for k, v in (a.split("=", 1) for a in args.set)}}
-    return Pod(processes, args.devices, base / name, base / name / "logs", overrides, fail)
+    return Pod(processes, args.devices, base / name, base / name / "logs", overrides, fail,
+               args.slow)
 
   import shutil  # pylint: disable=g-import-not-at-top
   name = f"{args.scenario}_{args.processes}x{args.devices}"
@@ -412,7 +444,7 @@ def main(argv=None) -> None:
     result = agree(pod(args.processes, name), args.timeout)
   elif args.scenario in ("term", "resume"):
     first = pod(args.processes, name)
-    result = inject(first, args.victim, signal.SIGTERM, args.timeout, after=1)
+    result = inject(first, args.victim, signal.SIGTERM, args.timeout, after=args.after)
     result["checkpoints"] = checkpoint_steps(first.workdir)
     if args.scenario == "resume":
       again = pod(args.resume_processes, name)
@@ -424,7 +456,7 @@ def main(argv=None) -> None:
     result = same_update(pod, args, base / name)
   elif args.scenario == "kill":
     result = inject(pod(args.processes, name), args.victim, signal.SIGKILL, args.timeout,
-                    after=1)
+                    after=args.after)
   else:
     result = failing(pod(args.processes, name, fail=f"{args.victim}:reset"), args.timeout)
   print(json.dumps({"scenario": args.scenario, **result}), flush=True)

@@ -29,7 +29,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from eppo_jax import hosts
+from eppo_jax import hosts, interrupt
 from eppo_jax.episodes import EpisodeBatch, observation_hash
 from eppo_jax.envs import registry
 from eppo_jax.envs.base import action_span, format_action, parse_action
@@ -286,7 +286,8 @@ class _Playing:
 def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str], object],
                      instances: Sequence[Instance], group_size: int, *, max_turns: int,
                      max_new_tokens: int, max_slots: int, stepper: Optional[EnvStepper] = None,
-                     pad_id: int = 0, length_multiple: int = 32) -> EpisodeBatch:
+                     pad_id: int = 0, length_multiple: int = 32,
+                     stop: Optional[Callable[[], int]] = None) -> EpisodeBatch:
   """Plays `group_size` episodes of every instance in lock step, one policy call per turn.
 
   `max_slots` is the policy's KV-cache size: every turn writes a chunk and a reply of the batch's
@@ -298,7 +299,8 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
   episodes, live episodes and chunk tokens on any host): whether another turn runs, the chunk
   width, whether the turn fits the cache (else every host's live episodes are truncated), and the
   policy's batch sizes (`Agreed`). A host whose episodes have all ended plays empty rows until
-  every host's have.
+  every host's have. `stop` (a signal number, 0 for none; `interrupt.pending`) joins that
+  collective: once any host's is set, every host raises `interrupt.StopNow` at the same turn.
   """
   stepper = stepper or EnvStepper()
   episodes = [(i, inst) for i, inst in enumerate(instances) for _ in range(group_size)]
@@ -321,7 +323,11 @@ def collect_episodes(policy: Policy, chat: ChatFormat, make_env: Callable[[str],
   for _ in range(max_turns):
     longest = max((len(p) for p, a in zip(play.pending, active) if a), default=1)
     # The turn's one collective: every host decides from the same numbers.
-    rows, live, longest = hosts.global_max([n, int(active.sum()), longest])
+    rows, live, longest, signum = hosts.global_max([n, int(active.sum()), longest,
+                                                    stop() if stop else 0])
+    if signum:
+      pool.close()
+      raise interrupt.StopNow(int(signum))
     width = round_up(int(longest), length_multiple)
     if slots + width + max_new_tokens > max_slots:
       break  # The next turn would overflow the cache: live episodes end truncated.
@@ -407,13 +413,15 @@ def expert_transcripts(make_env, instances: Sequence[Instance],
 
 def expert_episodes(chat: ChatFormat, make_env, instances: Sequence[Instance], *, max_turns: int,
                     max_new_tokens: int, max_slots: int, pad_id: int = 0,
-                    stepper: Optional[EnvStepper] = None) -> EpisodeBatch:
+                    stepper: Optional[EnvStepper] = None,
+                    stop: Optional[Callable[[], int]] = None) -> EpisodeBatch:
   """Demonstrations: the expert's actions played through the same episode loop as the policy.
 
-  An instance whose env fails comes back with `failed` set; callers drop those.
+  An instance whose env fails comes back with `failed` set; callers drop those. `stop` as in
+  `collect_episodes`.
   """
   actions = [acts for _, acts in expert_transcripts(make_env, instances, stepper)]
   policy = ScriptedPolicy(chat, actions, max_new_tokens, pad_id)
   return collect_episodes(policy, chat, make_env, instances, 1, max_turns=max_turns,
                           max_new_tokens=max_new_tokens, max_slots=max_slots, stepper=stepper,
-                          pad_id=pad_id)
+                          pad_id=pad_id, stop=stop)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
 import numpy as np
 
-from eppo_jax import agent, hosts, programs
+from eppo_jax import agent, hosts, interrupt, programs
 from eppo_jax import mesh as meshlib
 from eppo_jax.models.config import ModelConfig
 from eppo_jax.sampling import SamplingConfig, window_bucket
@@ -57,8 +58,10 @@ class ModelPolicy:
     self._used = 0  # Cache slots written so far (every row's index is the same).
 
   def _programs(self, rows: int, window: int) -> programs.RolloutPrograms:
-    return programs.rollout_turn(self._config, self._sampling, self._mesh,
-                                 rows * jax.process_count(), self._max_slots, window)
+    run = programs.rollout_turn(self._config, self._sampling, self._mesh,
+                                rows * jax.process_count(), self._max_slots, window)
+    return programs.RolloutPrograms(*(interrupt.retry_if_stopping(getattr(run, field.name))
+                                      for field in dataclasses.fields(run)))
 
   def _maybe_compact(self, cache, active_B, live: int):
     """Gathers the live rows into a smaller batch when the most live rows on any host (`live`)

@@ -220,10 +220,14 @@ class Trainer:
     self.ckpt = Checkpointer(workdir / "checkpoints", config.train.checkpoint_keep)
     t, history = config.train, []
     self.resumed, restored, meta = self.ckpt.restore_intact(self.state)
+    # Whether the evaluation of the current step is still to be logged (a stop skipped it).
+    self.eval_due, self._saved = False, None
     if self.resumed is not None:
       self.state = restored
       self.sampler.load_state_dict(meta["sampler"])
       history = meta["history"]
+      self.eval_due = meta.get("eval_due", self.resumed == 0)
+      self._saved = (self.resumed, self.eval_due)
       log.info("resumed from %s at RL step %d", self.ckpt.directory / str(self.resumed),
                self.step)
     self.logger = MetricsLogger(workdir, self.specs, t.num_steps, tensorboard=t.tensorboard,
@@ -236,10 +240,36 @@ class Trainer:
     """RL steps taken (0 before the first, and during SFT)."""
     return int(hosts.fetch(self.state.step))
 
-  def save(self) -> None:
-    self.ckpt.save(self.step, self.state, {"sampler": self.sampler.state_dict(),
-                                           "history": self.logger.history,
-                                           "config": self.config.to_json()})
+  def save(self, sampler_state: Optional[dict] = None) -> None:
+    """Checkpoints the current step; `sampler_state` replaces the sampler's current one (that
+    of the step's start, when a stop abandons the step)."""
+    self.ckpt.save(self.step, self.state, {
+        "sampler": sampler_state or self.sampler.state_dict(), "history": self.logger.history,
+        "eval_due": self.eval_due, "config": self.config.to_json()})
+    self._saved = (self.step, self.eval_due)
+
+  # --------------------------------------------------------------------------------------------
+  # Stopping on a signal.
+
+  def agreed_stop(self) -> int:
+    """The signal that any host received (0: none): every host gets the same answer."""
+    return hosts.global_max(self.signals.signum or 0)
+
+  def _pending(self) -> int:
+    """This host's signal, for the episode loop's own agreement (`agent.collect_episodes`)."""
+    return self.signals.signum or 0
+
+  def stopped(self, signum: int, sampler_state: Optional[dict] = None) -> interrupt.Interrupted:
+    """Saves the last completed RL step, unless the newest checkpoint holds it as it is now ->
+    the exception that ends the run."""
+    if self._saved != (self.step, self.eval_due):
+      self.save(sampler_state)
+      self.logger.plot()
+    n = self.config.train.num_steps
+    done = f"after RL step {self.step} of {n}" if self.step else f"before RL step 1 of {n}"
+    return interrupt.Interrupted(
+        f"{interrupt.signal.Signals(signum).name}: stopped {done} and saved a checkpoint in "
+        f"{self.ckpt.directory}; rerun the same command to resume.", signum)
 
   # --------------------------------------------------------------------------------------------
   # Playing episodes.
@@ -259,7 +289,7 @@ class Trainer:
     return agent.collect_episodes(
         policy, self.chat, registry.make, instances, group_size, max_turns=r.max_turns,
         max_new_tokens=r.max_new_tokens, max_slots=r.max_episode_tokens, stepper=self.stepper,
-        pad_id=self.tokenizer.pad_token_id)
+        pad_id=self.tokenizer.pad_token_id, stop=self._pending)
 
   def evaluate(self) -> tuple[dict, dict]:
     """Greedy episodes on each task's fixed held-out seeds -> (scalars, per-task arrays)."""
@@ -280,12 +310,16 @@ class Trainer:
     return agent.expert_episodes(
         self.chat, registry.make, this_host(instances),
         max_turns=r.max_turns, max_new_tokens=r.max_new_tokens, max_slots=r.max_episode_tokens,
-        pad_id=self.tokenizer.pad_token_id, stepper=self.stepper)
+        pad_id=self.tokenizer.pad_token_id, stepper=self.stepper, stop=self._pending)
 
   def sft(self) -> None:
-    """Supervised warm start on expert demonstrations (assistant tokens only)."""
+    """Supervised warm start on expert demonstrations (assistant tokens only). A stop ends it
+    unsaved: its optimizer state is not checkpointed, so a resumed run starts it again."""
     s = self.config.sft
-    demos = self.demonstrations()
+    try:
+      demos = self.demonstrations()
+    except interrupt.StopNow as stopping:
+      raise self.sft_stopped(stopping.signum, 0) from None
     usable = np.flatnonzero(~demos.failed)  # An env that failed mid-demonstration: not a demo.
     if not len(usable):
       raise RuntimeError("every expert demonstration failed (see the environment failures above)")
@@ -299,8 +333,9 @@ class Trainer:
     opt_state = hosts.put(opt_state, opt_sh)
     # The RL update's micro-batches split the SFT batch too: the same activation memory per chip.
     micro = self.config.optim.micro_batches
-    sft = programs.jit_sft(self.model, tx, meshlib.shardings(trainable, self.mesh), opt_sh,
-                           self.frozen_sh, self.mesh, micro_batches=micro)
+    sft = interrupt.retry_if_stopping(programs.jit_sft(
+        self.model, tx, meshlib.shardings(trainable, self.mesh), opt_sh, self.frozen_sh, self.mesh,
+        micro_batches=micro))
     rng = np.random.default_rng(self.config.seed)
     # Each micro-batch needs a row on every batch shard.
     unit = max(1, meshlib.batch_shards(self.mesh) // jax.process_count()) * micro
@@ -309,6 +344,8 @@ class Trainer:
     arrays = {k: getattr(demos, k)[usable] for k in ("tokens", "attention_mask", "loss_mask")}
     start, loss = time.time(), float("nan")
     for i in range(s.steps):
+      if signum := self.agreed_stop():
+        raise self.sft_stopped(signum, i)
       pick = rng.choice(len(usable), per_host, replace=len(usable) < per_host)
       # Trim the batch to its longest demonstration (rounded up): fewer pad tokens, few shapes.
       # Every host's batch is as wide as the widest host's; narrower ones get zero columns.
@@ -327,6 +364,13 @@ class Trainer:
     log.info("SFT: %d steps in %.0fs, final loss %.4f", s.steps, time.time() - start, loss)
     self.state = self.state.replace(trainable=trainable)
 
+  def sft_stopped(self, signum: int, steps_done: int) -> interrupt.Interrupted:
+    self.logger.end_progress()
+    return interrupt.Interrupted(
+        f"{interrupt.signal.Signals(signum).name}: stopped after SFT step {steps_done} of "
+        f"{self.config.sft.steps}, before any checkpoint; rerun the same command to start again.",
+        signum)
+
   # --------------------------------------------------------------------------------------------
   # RL.
 
@@ -334,8 +378,8 @@ class Trainer:
     """The jitted update for batches whose groups share their first `shared_prefix` tokens (one
     compilation per value; `steps.shared_prefix_length` rounds it to few values)."""
     if shared_prefix not in self._updates:
-      self._updates[shared_prefix] = programs.jit_update(
-          self.step_cfg, self.tx, self.state_sh, self.frozen_sh, self.mesh, shared_prefix)
+      self._updates[shared_prefix] = interrupt.retry_if_stopping(programs.jit_update(
+          self.step_cfg, self.tx, self.state_sh, self.frozen_sh, self.mesh, shared_prefix))
       if shared_prefix:
         log.info("update: each group's first %d tokens (its prompt) run once per group",
                  shared_prefix)
@@ -379,6 +423,8 @@ class Trainer:
     r, c, start = self.config.rollout, self.config, time.time()
     self.stepper.seconds = 0.0
     episodes, (group_scalars, group_per_task) = self.play_step(step)
+    if signum := self.agreed_stop():  # Before the update, which may take long.
+      raise interrupt.StopNow(signum)
     env_s, play_s = self.stepper.seconds, time.time() - start
     steps.check_loss_budget(episodes.loss_mask, self.step_cfg.loss_tokens_per_row)
     keep = groups.spread_filter(episodes, r.keep_groups) if r.keep_groups < 1 else None
@@ -427,24 +473,27 @@ class Trainer:
 
   def evaluate_and_save(self, step: int, scalars: dict, per_task: dict) -> dict:
     """Evaluates when due, logs the step's record, saves when due, and stops the run (with a
-    checkpoint) on a stop request or after too many bad steps -> the record."""
+    checkpoint) on a stop request or after too many bad steps -> the record. A stop skips or
+    ends a due evaluation; the resumed run does it (`eval_due`)."""
     t = self.config.train
-    if t.eval_every and step % t.eval_every == 0 or step == t.num_steps:
-      eval_scalars, eval_per_task = self.evaluate()
-      scalars.update(eval_scalars)
-      per_task.update(eval_per_task)
+    due = bool(t.eval_every and step % t.eval_every == 0 or step == t.num_steps)
+    signalled = self.agreed_stop()
+    if due and not signalled:
+      try:
+        eval_scalars, eval_per_task = self.evaluate()
+        scalars.update(eval_scalars)
+        per_task.update(eval_per_task)
+      except interrupt.StopNow as stopping:
+        signalled = stopping.signum
+    self.eval_due = due and bool(signalled)
     record = self.logger.log(step, scalars, per_task)
     self.logger.progress(step, metrics.progress_summary(self.specs, per_task["success"]))
     stop = self.bad_steps >= t.max_bad_steps
-    signalled = hosts.global_max(self.signals.signum or 0)  # Every host stops at the same step.
     if step % t.checkpoint_every == 0 or step == t.num_steps or stop or signalled:
       self.save()
       self.logger.plot()
-    if signalled and not stop and step < t.num_steps:
-      raise interrupt.Interrupted(
-          f"{interrupt.signal.Signals(signalled).name}: stopped after RL step {step} of "
-          f"{t.num_steps} and saved a checkpoint in {self.ckpt.directory}; rerun the same "
-          "command to resume.", signalled)
+    if signalled and not stop and (step < t.num_steps or self.eval_due):
+      raise self.stopped(signalled)
     if stop:
       raise TooManyBadSteps(
           f"{self.bad_steps} consecutive RL steps had no usable episodes, or a non-finite loss, "
@@ -463,18 +512,25 @@ class Trainer:
     if self.resumed is None:
       if self.config.sft.enabled:
         self.sft()
+      self.eval_due = True  # Where RL starts from (after SFT).
       self.save()
-    if self.step == 0:  # Where RL starts from (after SFT).
-      self.logger.log(0, *self.evaluate())
-    if signalled := hosts.global_max(self.signals.signum or 0):  # During SFT: its result is saved.
-      raise interrupt.Interrupted(
-          f"{interrupt.signal.Signals(signalled).name}: stopped before RL step {self.step + 1}; "
-          f"the checkpoint in {self.ckpt.directory} is up to date; rerun the same command to "
-          "resume.", signalled)
-    # A run resumed at its last step logs nothing new: its result is the last record it has.
-    record = self.logger.history[-1] if self.logger.history else {}
+    if self.eval_due:
+      try:
+        if signum := self.agreed_stop():
+          raise interrupt.StopNow(signum)
+        self.logger.log(self.step, *self.evaluate())
+      except interrupt.StopNow as stopping:
+        raise self.stopped(stopping.signum) from None
+      self.eval_due = False
+    # A run resumed at its last step logs nothing new: its result is its last step's records.
+    record = {k: v for r in self.logger.history if r["step"] == self.step for k, v in r.items()}
     while (step := self.step + 1) <= self.config.train.num_steps:
-      record = self.evaluate_and_save(step, *self.rl_step(step))
+      sampler_state = self.sampler.state_dict()
+      try:
+        scalars, per_task = self.rl_step(step)
+      except interrupt.StopNow as stopping:  # The step's episodes are dropped, unused.
+        raise self.stopped(stopping.signum, sampler_state) from None
+      record = self.evaluate_and_save(step, scalars, per_task)
     self.finish(record)
     return record
 

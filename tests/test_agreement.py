@@ -5,13 +5,14 @@ host's numbers and another host's, given turn by turn, so the tests can say what
 holds and check what this host then does (the multi-process runs are in test_pod.py).
 """
 
+import signal
 import sys
 
 import jax
 import numpy as np
 import pytest
 
-from eppo_jax import agent, hosts, sampling
+from eppo_jax import agent, hosts, interrupt, sampling
 from eppo_jax import mesh as meshlib
 from eppo_jax.envs import registry
 from eppo_jax.models import hf
@@ -26,16 +27,17 @@ NEW = 8  # Reply tokens per turn.
 
 class OtherHost:
   """`hosts.global_max` against one simulated other host: its [episodes, live episodes, longest
-  chunk] for each turn (then all zero), and a record of every call."""
+  chunk, stop signal] for each turn (then all zero; a shorter list: the rest zero), and a record
+  of every call."""
 
   def __init__(self, turns):
     self.turns, self.calls = list(turns), []
 
   def __call__(self, values):
     values = np.asarray(values, np.int64)
-    other = self.turns[len(self.calls)] if len(self.calls) < len(self.turns) else [0, 0, 0]
+    other = self.turns[len(self.calls)] if len(self.calls) < len(self.turns) else []
     self.calls.append(values.copy())
-    return np.maximum(values, other)
+    return np.maximum(values, np.pad(other, (0, len(values) - len(other))))
 
 
 class Recorder:
@@ -59,10 +61,10 @@ def chat(smoke_tiny_dir):
   return agent.ChatFormat(tok, [tok.convert_tokens_to_ids("<|im_end|>")])
 
 
-def _play(chat, policy, seeds, max_slots=1 << 20, max_turns=4):
+def _play(chat, policy, seeds, max_slots=1 << 20, max_turns=4, stop=None):
   instances = [agent.Instance(0, "paced:easy", s) for s in seeds]
   return agent.collect_episodes(policy, chat, registry.make, instances, 1, max_turns=max_turns,
-                                max_new_tokens=NEW, max_slots=max_slots)
+                                max_new_tokens=NEW, max_slots=max_slots, stop=stop)
 
 
 def test_turns_continue_while_another_host_plays(chat, monkeypatch):
@@ -85,6 +87,18 @@ def test_turns_continue_while_another_host_plays(chat, monkeypatch):
       agent.round_up(max(o, t[2])) for o, t in zip(own, other.turns)][:3]
   for field in ("tokens", "loss_mask", "turns", "rewards", "truncated"):
     np.testing.assert_array_equal(getattr(batch, field), getattr(alone, field))
+
+
+def test_a_stop_on_another_host_ends_play_here_at_the_same_turn(chat, monkeypatch):
+  """The other host received SIGTERM during turn 1: its signal comes with turn 2's collective,
+  and this host stops there too (the policy is not called again), with the other's signal."""
+  other = OtherHost([[2, 2, 1, 0], [2, 2, 1, signal.SIGTERM]])
+  monkeypatch.setattr(hosts, "global_max", other)
+  policy = Recorder(chat)
+  with pytest.raises(interrupt.StopNow) as stopped:
+    _play(chat, policy, seeds=[3, 3], stop=lambda: 0)
+  assert stopped.value.signum == signal.SIGTERM
+  assert len(policy.seen) == 1 and len(other.calls) == 2
 
 
 def test_cache_budget_is_the_widest_hosts(chat, monkeypatch):

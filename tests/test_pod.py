@@ -7,19 +7,32 @@ The runs share one workdir and follow each other (a module fixture): SIGTERM to 
 resumed run to the end, then kill -9 of one host in a further resumed run.
 """
 
+import shutil
 import signal
 import sys
 import textwrap
 
+import jax
+import numpy as np
 import pytest
 
 from eppo_jax import hosts
+from eppo_jax.envs.sampler import TaskSampler
+from eppo_jax.models import hf
 from pipeline_util import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
 import pod  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 HEARTBEAT_S = 5  # distributed.heartbeat_timeout_s of these runs.
+# The options run: data 2 x tensor 2; GiGPO, dynamic sampling, the sampler's log-probs; 8 rollout
+# rows per host (4 instances x 2), so that the batch shrinks once few episodes play on; 3
+# evaluation instances, which the hosts split 2 and 1; the HF export.
+OPTIONS = {"mesh.data": 2, "mesh.fsdp": 1, "mesh.tensor": 2, "advantage_estimator": "gigpo",
+           "per_task_std": False, "rollout.dynamic_sampling": True,
+           "optim.old_logprobs": "sampler", "rollout.instances_per_step": 8,
+           "train.eval_instances_per_task": 3, "train.export_hf": True, "train.num_steps": 2,
+           "sft.steps": 40}  # Replies that differ, so rewards that differ: a gradient.
 STOP_BOUND_S = 60  # The most a host may take to stop after another host died.
 
 
@@ -28,6 +41,16 @@ def tiny(tmp_path_factory):
   directory = tmp_path_factory.mktemp("pod") / "tiny_model"
   pod.build_tiny_model(directory)
   return directory
+
+
+def _export_diff(workdir, overrides) -> float:
+  """The largest difference between the HF export and the trained weights of the checkpoint."""
+  exported = hf.load_pretrained(workdir / "hf_export").params
+  flat = {jax.tree_util.keystr(p): np.asarray(x, np.float64)
+          for p, x in jax.tree_util.tree_flatten_with_path(exported)[0]}
+  trained = pod.trained_params(workdir, overrides)
+  assert set(flat) == set(trained), (sorted(flat)[:5], sorted(trained)[:5])
+  return max(float(np.abs(flat[k] - trained[k]).max()) for k in flat)
 
 
 @pytest.fixture(scope="module")
@@ -50,23 +73,34 @@ def runs(tiny, tmp_path_factory):
   finish = make("finish", 3, fail="1:step")
   out["finish"] = finish, pod.agree(finish, 600)
   kill = make("kill", 5)
-  out["kill"] = kill, pod.inject(kill, 1, signal.SIGKILL, 600, after=3)
+  out["kill"] = kill, pod.inject(kill, 0, signal.SIGKILL, 600, after=3)
   # Every reset raises on host 1, so its SFT has no demonstration: a RuntimeError there only.
   fail = make("raise", 1, fail="1:reset")
   fail.workdir = base / "raise_run"
   out["raise"] = fail, pod.failing(fail, 600)
+  # Options that change the programs, on their own workdir; then its copy resumed on 1 process.
+  opts = {**overrides, **OPTIONS}
+  options = pod.Pod(2, 2, base / "options_run", base / "options", opts)
+  out["options"] = options, pod.agree(options, 600)
+  out["options"][1]["export_diff"] = _export_diff(options.workdir, opts)
+  shutil.copytree(options.workdir, base / "options_run_1")
+  single = pod.Pod(1, 4, base / "options_run_1", base / "options_1",
+                   {**opts, "train.num_steps": 3})
+  out["options_1"] = single, pod.agree(single, 600)
   for name, (_, result) in out.items():
     print(name, result["seconds"], "s")
   return out
 
 
 def test_sigterm_to_one_host_saves_the_same_step_on_both(runs):
-  """SIGTERM to host 1 during RL step 2: both hosts finish step 2, save it, exit 128 + 15."""
+  """SIGTERM to host 1 during RL step 2: both hosts stop at the same phase boundary (a turn of
+  play, after play or after the update), save the last completed step, exit 128 + 15."""
   term, result = runs["term"]
   assert result["codes"] == [143, 143], result
-  assert result["last_step"] == [2, 2] and result["identical"], result
-  assert all("stopped after RL step 2 of 3" in m for m in result["messages"]), result
-  assert result["checkpoints"][-1] == 2, result
+  saved = result["last_step"][0]
+  assert saved in (1, 2) and result["last_step"] == [saved, saved] and result["identical"], result
+  assert all(f"stopped after RL step {saved} of 3" in m for m in result["messages"]), result
+  assert result["checkpoints"][-1] == saved, result
 
 
 def test_both_hosts_finish_with_identical_records(runs):
@@ -74,8 +108,9 @@ def test_both_hosts_finish_with_identical_records(runs):
   evaluation's numbers need both hosts' episodes (host 0 plays 1 and 3 turns, host 1 2 and 4)."""
   finish, result = runs["finish"]
   assert result["codes"] == [0, 0], [finish.log(i)[-3000:] for i in range(2)]
-  assert result["identical"] and result["steps"] == [3], result
-  assert "resumed from" in finish.log(0) and "at RL step 2" in finish.log(0)
+  saved = runs["term"][1]["checkpoints"][-1]
+  assert result["identical"] and result["steps"] == list(range(saved + 1, 4)), result
+  assert "resumed from" in finish.log(0) and f"at RL step {saved}" in finish.log(0)
   outs = [finish.out(i) for i in range(2)]
   assert outs[0]["record"] == outs[1]["record"] == result["final"]
   assert outs[0]["processes"] == 2 and outs[0]["devices"] == 4
@@ -85,14 +120,38 @@ def test_both_hosts_finish_with_identical_records(runs):
   assert final["eval_env_failures"] == 1
 
 
-def test_kill_of_one_host_stops_the_other_with_a_reason(runs):
-  """kill -9 of host 1 during an RL step: host 0 exits non-zero within the bound, naming host 1."""
+def test_kill_of_host_0_stops_the_other_with_a_reason(runs):
+  """kill -9 of host 0 (which holds the coordination service) during an RL step: host 1 exits
+  non-zero within the bound, saying why."""
   kill, result = runs["kill"]
-  assert result["codes"][1] == -signal.SIGKILL and result["codes"][0] not in (0, None), result
-  assert result["seconds_after"][0] <= STOP_BOUND_S, result
-  line = result["lines"][0]
-  assert ("error: host 0 of 2 stops: host 1 is gone" in line
-          or "stopped sending heartbeats" in kill.log(0)), kill.log(0)[-3000:]
+  assert result["codes"][0] == -signal.SIGKILL and result["codes"][1] not in (0, None), result
+  assert result["seconds_after"][1] <= STOP_BOUND_S, result
+  line = result["lines"][1]  # Ours, or jax's when the service went first.
+  assert "host 0" in line or "leader task was preempted/died" in line, kill.log(1)[-3000:]
+
+
+def test_options_that_change_the_programs_agree_over_hosts(runs):
+  """The options run: both hosts exit 0 with identical records; the evaluation counts both
+  hosts' episodes once each (host 1 plays one of the 3, next to a pad row); the batch shrank
+  inside the trainer on both hosts; the export host 0 wrote holds the trained weights, gathered
+  from both hosts' tensor shards."""
+  options, result = runs["options"]
+  assert result["codes"] == [0, 0], [options.log(i)[-3000:] for i in range(2)]
+  assert result["identical"] and result["steps"][-2:] == [1, 2], result
+  final = result["final"]
+  seeds = [seed for _, seed in TaskSampler(["paced:easy"], seed=0).eval_instances(3)]
+  assert final["task/paced:easy/eval_turns"] == pytest.approx(np.mean([1 + s % 4 for s in seeds]))
+  assert final["dynamic_sampling/rounds"] >= 1
+  assert any(r.get("grad_norm", 0) > 0 for r in options.records(0)), options.records(0)
+  assert all(options.out(i)["compactions"] for i in range(2)), [options.out(i) for i in range(2)]
+  assert result["export_diff"] == 0.0
+
+
+def test_a_pod_run_resumes_on_one_process(runs):
+  """The options run's workdir, resumed on 1 process x 4 devices for one more step."""
+  single, result = runs["options_1"]
+  assert result["codes"] == [0], single.log(0)[-3000:]
+  assert result["steps"] == [3] and "at RL step 2" in single.log(0)
 
 
 def test_an_exception_on_one_host_stops_both_naming_it(runs):

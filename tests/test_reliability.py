@@ -4,6 +4,7 @@ import errno
 import json
 import logging
 import multiprocessing
+import os
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 import faulty_envs  # pylint: disable=unused-import  (registers the faulty tasks)
 import orbax.checkpoint as ocp
 
-from eppo_jax import checkpoint, train, workdir
+from eppo_jax import checkpoint, interrupt, programs, train, workdir
 from eppo_jax.checkpoint import Checkpointer, NoIntactCheckpoint
 from pipeline_util import (ROOT, assert_trees_equal, compile_cache, smoke_config, smoke_tiny_dir,
                            state_like)
@@ -231,6 +232,86 @@ def test_signal_finishes_the_step_saves_and_exits(smoke_tiny_dir, compile_cache,
   assert f"{signal.Signals(sig).name}: stopped after RL step {last} of 200" in out
   assert "rerun the same command to resume" in out
   assert Checkpointer(run_dir / "checkpoints").latest_step() == last < 200
+
+
+def test_a_compilation_that_the_stop_signal_ended_is_retried(smoke_tiny_dir, tmp_path,
+                                                             monkeypatch):
+  """SIGTERM to the process group also ends XLA's compiler (ptxas on a GPU): the update of step
+  2 fails to compile. It is compiled again, the step finishes and is saved without its due
+  evaluation, and the run stops; the resumed run evaluates step 2 first, then goes on."""
+  jit_update, calls = programs.jit_update, []
+
+  def compile_ended_by_the_signal(*args, **kwargs):
+    update = jit_update(*args, **kwargs)
+
+    def call(*a, **k):
+      calls.append(len(calls) + 1)
+      if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise jax.errors.JaxRuntimeError("INTERNAL: ptxas exited with non-zero error code 15")
+      return update(*a, **k)
+    return call
+
+  monkeypatch.setattr(programs, "jit_update", compile_ended_by_the_signal)
+  config = smoke_config(smoke_tiny_dir, **{
+      "sft.enabled": False, "train.num_steps": 3, "train.eval_every": 2,
+      "train.plots": False, "train.tensorboard": False, "train.export_hf": False})
+  with pytest.raises(interrupt.Interrupted, match="SIGTERM: stopped after RL step 2 of 3"):
+    train.train(config, tmp_path / "run")
+  assert calls == [1, 2, 3]
+  assert Checkpointer(tmp_path / "run" / "checkpoints").latest_step() == 2
+  evaluated = lambda: [r["step"] for r in _records(tmp_path / "run") if "eval_success" in r]
+  assert evaluated() == [0]
+  final = train.train(config, tmp_path / "run")
+  assert evaluated() == [0, 2, 3] and final["step"] == 3 and "eval_success" in final
+
+
+def test_a_stop_during_sft_ends_it_unsaved(smoke_tiny_dir, tmp_path, monkeypatch):
+  """SIGINT during the warm start: SFT stops at its next step; nothing is saved (its optimizer
+  state is not checkpointed), so the rerun starts it again."""
+  jit_sft = programs.jit_sft
+
+  def signal_at_the_second_step(*args, **kwargs):
+    sft, calls = jit_sft(*args, **kwargs), []
+
+    def call(*a, **k):
+      calls.append(1)
+      if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGINT)
+      return sft(*a, **k)
+    return call
+
+  monkeypatch.setattr(programs, "jit_sft", signal_at_the_second_step)
+  config = smoke_config(smoke_tiny_dir, **{"sft.steps": 5, "train.plots": False,
+                                           "train.tensorboard": False})
+  with pytest.raises(interrupt.Interrupted, match="SIGINT: stopped after SFT step 2 of 5, before "
+                     "any checkpoint; rerun"):
+    train.train(config, tmp_path / "run")
+  assert Checkpointer(tmp_path / "run" / "checkpoints").latest_step() is None
+
+
+def test_only_a_program_that_did_not_run_is_retried():
+  """No stop pending, or a donated argument already consumed: the error stands."""
+  failures = []
+
+  def program(x):
+    failures.append(1)
+    raise jax.errors.JaxRuntimeError("INTERNAL: compilation failed")
+
+  retried = interrupt.retry_if_stopping(program)
+  with pytest.raises(jax.errors.JaxRuntimeError):
+    retried(np.zeros(2))  # No StopRequest has a signal.
+  assert len(failures) == 1
+  with interrupt.StopRequest() as stop:
+    stop.signum = signal.SIGTERM
+    consumed = jax.device_put(np.zeros(2))
+    consumed.delete()
+    with pytest.raises(jax.errors.JaxRuntimeError):
+      retried(consumed)
+    assert len(failures) == 2
+    with pytest.raises(jax.errors.JaxRuntimeError):
+      retried(np.zeros(2))  # Retried once, then the error stands.
+    assert len(failures) == 4
 
 
 # ----------------------------------------------------------------------------------------------
