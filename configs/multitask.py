@@ -90,7 +90,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict()
   c.model.source = "tiny"  # "tiny" builds the embedded model; else an HF directory or hub id.
-  c.model.tiny_dir = ""  # Where the tiny model is built; "" = <workdir>/tiny_model.
+  c.model.tiny_dir = ""  # The tiny model's directory or URL; "" = <workdir>/tiny_model.
   c.model.tiny_hidden_size = 128
   c.model.tiny_intermediate_size = 384
   c.model.tiny_num_layers = 4

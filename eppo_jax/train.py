@@ -104,12 +104,19 @@ def load_model(config, workdir: Path, mesh: Optional[jax.sharding.Mesh] = None):
                          intermediate_size=m.tiny_intermediate_size, num_layers=m.tiny_num_layers,
                          num_heads=m.tiny_num_heads, num_kv_heads=m.tiny_num_kv_heads,
                          seed=config.seed)
-    directory = Path(m.tiny_dir or workdir_lib.tiny_model_dir(workdir))
-    if jax.process_index() == 0:  # One writer; the other hosts read it after the barrier.
-      tiny.build_tiny_model(directory, tokenizer_corpus(config.tasks.specs,
-                                                        stepper=make_stepper(config)), spec)
+    kept = workdir_lib.as_path(m.tiny_dir or workdir_lib.tiny_model_dir(workdir))
+    url = workdir_lib.url_scheme(kept) is not None  # Then each host reads a local copy.
+    source = Path(workdir_lib.local_copy(kept) if url else kept)
+    if jax.process_index() == 0:  # One builder; the other hosts read its build after the barrier.
+      if url and (kept / tiny.STAMP).exists():  # A build from before: reused if it matches.
+        workdir_lib.mirror(kept, source, tiny.STAMP)
+      tiny.build_tiny_model(source, tokenizer_corpus(config.tasks.specs,
+                                                     stepper=make_stepper(config)), spec)
+      if url:
+        workdir_lib.mirror(source, kept, tiny.STAMP)
     hosts.barrier("tiny_model")
-    source = directory
+    if url and jax.process_index() != 0:
+      workdir_lib.mirror(kept, source, tiny.STAMP)
   else:
     try:  # A missing model is a one-line error at start-up (run.py), naming how to get it.
       source = hf.resolve_model_dir(m.source)
@@ -182,8 +189,10 @@ class Trainer:
   """
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: Path,
-               signals: interrupt.StopRequest):
-    self.config, self.workdir, self.signals = config, workdir, signals
+               signals: Optional[interrupt.StopRequest] = None):
+    # Without a StopRequest that is entered, no signal ever arrives.
+    self.config, self.workdir = config, workdir
+    self.signals = signals or interrupt.StopRequest()
     self.specs = list(config.tasks.specs)
     self.logger, self.ckpt = None, None
 

@@ -101,20 +101,32 @@ def absolute(path) -> epath.Path:
 
 
 def tiny_model_dir(workdir) -> epath.Path:
-  """Where the tiny model is built (a local directory: `transformers` reads it back):
-  `workdir/tiny_model` for a local workdir; for a URL, a directory of this host's cache named after
-  it. A URL workdir on several hosts has no local directory that all of them see: refused in one
-  line (`config.model.tiny_dir` then names a shared one)."""
-  path = as_path(workdir)
-  scheme = url_scheme(path)
-  if scheme is None:
-    return path / "tiny_model"
-  if jax.process_count() > 1:
-    raise WorkdirUnusable(f"the tiny model of workdir {workdir} is built on a local disk, which "
-                          f"the {jax.process_count()} hosts do not share: set "
-                          "config.model.tiny_dir to a directory that all of them see")
+  """Where the tiny model of a run without `config.model.tiny_dir` is kept: `workdir/tiny_model`
+  (a URL for a URL workdir: `local_copy` is where each host reads it)."""
+  return as_path(workdir) / "tiny_model"
+
+
+def local_copy(url) -> epath.Path:
+  """This host's directory for a copy of the directory at `url` (`transformers` reads local files
+  only): its cache, under the URL's scheme and path."""
+  path = as_path(url)
   cache = os.path.join(os.path.expanduser("~"), ".cache", "eppo_jax", "workdirs")
-  return epath.Path(cache, scheme, os.fspath(path).split("://", 1)[1].strip("/"), "tiny_model")
+  return epath.Path(cache, url_scheme(path), os.fspath(path).split("://", 1)[1].strip("/"))
+
+
+def mirror(src, dst, stamp: str) -> bool:
+  """Copies the files of directory `src` into `dst` (either may be a URL) unless `dst` already
+  holds the same `stamp` file, which is copied last, so that an interrupted copy is redone ->
+  whether it copied."""
+  src, dst = as_path(src), as_path(dst)
+  if (dst / stamp).exists() and (dst / stamp).read_bytes() == (src / stamp).read_bytes():
+    return False
+  dst.mkdir(parents=True, exist_ok=True)
+  for path in sorted(src.iterdir()):
+    if path.name != stamp and path.is_file():
+      (dst / path.name).write_bytes(path.read_bytes())
+  (dst / stamp).write_bytes((src / stamp).read_bytes())
+  return True
 
 
 def write_atomic(path, text: str) -> None:

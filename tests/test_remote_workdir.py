@@ -124,18 +124,30 @@ def test_claim_records_the_run_at_a_url_and_refuses_another(gcs, tmp_path):
   assert not (stored / "final_metrics.tmp").exists()
 
 
-def test_the_tiny_model_of_a_url_workdir_is_built_in_this_hosts_cache(gcs, tmp_path, monkeypatch):
-  del gcs
-  monkeypatch.setenv("HOME", str(tmp_path / "home"))
-  cache = tmp_path / "home" / ".cache" / "eppo_jax" / "workdirs" / "gs"
-  local = workdir.as_path(tmp_path / "run" / "tiny_model")
-  assert workdir.tiny_model_dir(URL) == workdir.as_path(cache / "bucket" / "run" / "tiny_model")
-  assert workdir.tiny_model_dir(tmp_path / "run") == local
-  monkeypatch.setattr(jax, "process_count", lambda: 2)  # No local directory all hosts see.
-  with pytest.raises(workdir.WorkdirUnusable, match="config.model.tiny_dir") as error:
-    workdir.tiny_model_dir(URL)
-  assert "\n" not in str(error.value)
-  assert workdir.tiny_model_dir(tmp_path / "run") == local
+def test_a_tiny_model_at_a_url_is_built_once_and_read_by_every_host(gcs, tmp_path, monkeypatch):
+  """`model.tiny_dir=gs://...`: host 0 builds the model in its cache and puts it in the bucket;
+  another host, with an empty cache, reads it from there: the same weights and tokenizer."""
+  monkeypatch.setattr(train.hosts, "barrier", lambda name: None)
+  config = smoke_config("gs://bucket/tiny")
+  models = []
+  for host in (0, 1):
+    monkeypatch.setenv("HOME", str(tmp_path / f"home{host}"))
+    monkeypatch.setattr(train.jax, "process_index", lambda host=host: host)
+    models.append(train.load_model(config, URL))
+  stored = gcs / "bucket" / "tiny"
+  assert {"config.json", "model.safetensors", "eppo_jax_tiny.json"} <= set(os.listdir(stored))
+  cached = tmp_path / "home1" / ".cache" / "eppo_jax" / "workdirs" / "gs" / "bucket" / "tiny"
+  assert (cached / "model.safetensors").read_bytes() == (stored / "model.safetensors").read_bytes()
+  (_, params0, tok0), (_, params1, tok1) = models
+  jax.tree_util.tree_map(np.testing.assert_array_equal, params0, params1)
+  assert tok0.get_vocab() == tok1.get_vocab()
+  # Host 0 on a fresh machine (empty cache) takes the bucket's build rather than its own.
+  monkeypatch.setenv("HOME", str(tmp_path / "home2"))
+  monkeypatch.setattr(train.jax, "process_index", lambda: 0)
+  (stored / "eppo_jax_tiny.json").write_text((stored / "eppo_jax_tiny.json").read_text() + " ")
+  train.load_model(config, URL)
+  assert (tmp_path / "home2" / ".cache" / "eppo_jax" / "workdirs" / "gs" / "bucket" / "tiny" /
+          "eppo_jax_tiny.json").read_text().endswith(" ")
 
 
 def test_url_without_its_packages_fails_in_one_line_before_writing(gcs, tmp_path, monkeypatch):
@@ -164,7 +176,7 @@ def test_train_at_a_url_writes_every_file_there_and_resumes_from_it(gcs, tmp_pat
   stored = gcs / "bucket" / "run"
   assert sorted(os.listdir(stored)) == ["checkpoints", "config.json", "final_metrics.json",
                                         "metrics.jsonl", "plots.png", "run_info.json",
-                                        "tensorboard"]
+                                        "tensorboard", "tiny_model"]
   assert os.listdir(stored / "checkpoints") == ["0"]
   assert [r["step"] for r in _records(stored)] == [0] and "eval_success" in record
   assert json.loads((stored / "final_metrics.json").read_text()) == record

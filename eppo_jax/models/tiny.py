@@ -62,12 +62,15 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int):
   return fast
 
 
+STAMP = "eppo_jax_tiny.json"  # The build's fingerprint, written last.
+
+
 def build_tiny_model(out_dir, corpus: Iterable[str], spec: TinySpec = TinySpec()) -> Path:
   """Writes the tokenizer, config and random weights to `out_dir`; reuses it if already built."""
   corpus = list(corpus)
   out_dir = Path(out_dir)
   fingerprint = hashlib.sha256(json.dumps([dataclasses.asdict(spec), corpus]).encode()).hexdigest()
-  stamp = out_dir / "eppo_jax_tiny.json"
+  stamp = out_dir / STAMP
   if stamp.exists() and json.loads(stamp.read_text()).get("fingerprint") == fingerprint:
     return out_dir
   if not corpus:
