@@ -50,7 +50,7 @@ from eppo_jax.envs.base import TextEnv, Transition
 
 HOST_VAR = "EPPO_POD_HOST"  # This process's index, for the injected environment failures.
 FAIL_VAR = "EPPO_POD_FAIL"  # "HOST:reset" (every reset raises there) or "HOST:step".
-SLOW_VAR = "EPPO_POD_SLOW_S"  # Seconds each environment step sleeps: a slow RL step.
+SLOW_VAR = "EPPO_POD_SLOW_S"  # Seconds each environment step of RL play sleeps: a slow RL step.
 
 
 # ------------------------------------------------------------------------------------------------
@@ -72,9 +72,10 @@ class PacedTask(TextEnv):
   """Exactly 1 + seed % 4 turns per episode, whatever the replies; a turn answered with a number
   scores 1, anything else the invalid-action penalty. Built to end episodes after different
   numbers of turns on different hosts. FAIL_VAR makes one host's envs raise: at every reset, or
-  at the second step of every seed that is a multiple of 3; SLOW_VAR makes every step slow."""
+  at the second step of every seed that is a multiple of 3. Each step sleeps `slow_s`."""
 
   task_name = "paced"
+  slow_s = 0.0  # host_main sets SLOW_VAR's value here while RL episodes play.
   LEVELS = {"easy": PacedLevel()}
   instructions = "Answer every round with a number, for example <action>3</action>."
 
@@ -94,7 +95,7 @@ class PacedTask(TextEnv):
     return self._round(False)
 
   def _round(self, valid: bool) -> Transition:
-    time.sleep(float(os.environ.get(SLOW_VAR, 0)))
+    time.sleep(self.slow_s)
     if _failing("step") and self.seed % 3 == 0 and self._steps == 2:
       raise RuntimeError(f"injected: a step fails on host {os.environ[HOST_VAR]}")
     self._valid &= valid
@@ -248,6 +249,16 @@ def host_main(args) -> int:
     return out
 
   policy.ModelPolicy._maybe_compact = compact_here
+  play_step = train.Trainer.play_step
+
+  def play_slowly(self, *args):  # RL play only: not the tokenizer corpus, SFT or evaluation.
+    PacedTask.slow_s = float(os.environ.get(SLOW_VAR, 0))
+    try:
+      return play_step(self, *args)
+    finally:
+      PacedTask.slow_s = 0.0
+
+  train.Trainer.play_step = play_slowly
   import jax  # pylint: disable=g-import-not-at-top
   try:
     record = train.train(config, args.workdir)
