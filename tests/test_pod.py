@@ -25,10 +25,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 import pod  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 HEARTBEAT_S = 5  # distributed.heartbeat_timeout_s of these runs.
-# The options run: data 2 x tensor 2; GiGPO, dynamic sampling, the sampler's log-probs; 8 rollout
-# rows per host (4 instances x 2), so that the batch shrinks once few episodes play on; 3
-# evaluation instances, which the hosts split 2 and 1; the HF export.
-OPTIONS = {"mesh.data": 2, "mesh.fsdp": 1, "mesh.tensor": 2, "advantage_estimator": "gigpo",
+# The options run: GiGPO, dynamic sampling, the sampler's log-probs; 8 rollout rows per host (4
+# instances x 2), so that the batch shrinks once few episodes play on; 3 evaluation instances,
+# which the hosts split 2 and 1; the HF export. (Not the tensor axis: its programs hang in the CPU
+# collectives of 2 processes x 2 devices now and then, docs/scaling.md.)
+OPTIONS = {"advantage_estimator": "gigpo",
            "per_task_std": False, "rollout.dynamic_sampling": True,
            "rollout.extra_rounds": 1, "optim.old_logprobs": "sampler",
            "rollout.instances_per_step": 8,
@@ -63,15 +64,17 @@ def runs(tiny, tmp_path_factory):
                "train.eval_instances_per_task": 4, "train.eval_every": 0, "sft.steps": 1,
                "distributed.heartbeat_timeout_s": HEARTBEAT_S}
 
-  def make(name, steps, fail=""):
-    return pod.Pod(2, 2, workdir, base / name, {**overrides, "train.num_steps": steps}, fail)
+  def make(name, steps, fail="", **more):
+    return pod.Pod(2, 2, workdir, base / name, {**overrides, "train.num_steps": steps, **more},
+                   fail)
 
   out = {}
   # Host 1's envs raise at the third step of every third seed: its episodes end as failed there.
   term = make("term", 3, fail="1:step")
   out["term"] = term, pod.inject(term, 1, signal.SIGTERM, 600, after=1)
   out["term"][1]["checkpoints"] = pod.checkpoint_steps(workdir)
-  finish = make("finish", 3, fail="1:step")
+  # Resumed on a data 2 x fsdp 2 mesh (the checkpoint was written on fsdp 4).
+  finish = make("finish", 3, fail="1:step", **{"mesh.data": 2, "mesh.fsdp": 2})
   out["finish"] = finish, pod.agree(finish, 600)
   kill = make("kill", 5)
   out["kill"] = kill, pod.inject(kill, 0, signal.SIGKILL, 600, after=3)
@@ -105,8 +108,9 @@ def test_sigterm_to_one_host_saves_the_same_step_on_both(runs):
 
 
 def test_both_hosts_finish_with_identical_records(runs):
-  """The resumed run: both exit 0; every record each host logged is the same, and the
-  evaluation's numbers need both hosts' episodes (host 0 plays 1 and 3 turns, host 1 2 and 4)."""
+  """The resumed run, on a data x fsdp mesh: both exit 0; every record each host logged is the
+  same, and the evaluation's numbers need both hosts' episodes (host 0 plays 1 and 3 turns, host
+  1 2 and 4)."""
   finish, result = runs["finish"]
   assert result["codes"] == [0, 0], [finish.log(i)[-3000:] for i in range(2)]
   saved = runs["term"][1]["checkpoints"][-1]
@@ -136,7 +140,7 @@ def test_options_that_change_the_programs_agree_over_hosts(runs):
   """The options run: both hosts exit 0 with identical records; the evaluation counts both
   hosts' episodes once each (host 1 plays one of the 3, next to a pad row); the batch shrank
   inside the trainer on both hosts; the export host 0 wrote holds the trained weights, gathered
-  from both hosts' tensor shards."""
+  from both hosts' fsdp shards."""
   options, result = runs["options"]
   assert result["codes"] == [0, 0], [options.log(i)[-3000:] for i in range(2)]
   assert result["identical"] and result["steps"][-2:] == [1, 2], result
