@@ -33,14 +33,13 @@ MODELS = {
 }
 
 
-def tiny_model_options() -> dict:
-  """ModelConfig fields as the trainer sets them for the tiny preset (its attention blocks, which
-  are chosen for CPU): the benchmarks run the model the default job runs."""
+def tiny_model_options(model) -> dict:
+  """The fields of ModelConfig `model` that the trainer sets from the tiny preset (its attention
+  blocks, which are chosen for CPU): the benchmarks run the model as the default job runs it."""
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
   from configs import multitask  # pylint: disable=g-import-not-at-top
   from eppo_jax import programs  # pylint: disable=g-import-not-at-top
-  from eppo_jax.models.config import ModelConfig  # pylint: disable=g-import-not-at-top
-  model = programs.model_config(multitask.get_config("tiny"), ModelConfig())
+  model = programs.model_config(multitask.get_config("tiny"), model)
   return {k: getattr(model, k) for k in ("remat", "attention_impl", "attention_block_q",
                                          "attention_block_k")}
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 import time
 
@@ -120,7 +121,7 @@ def jax_worker(args) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import eppo_jax  # pylint: disable=g-import-not-at-top
   pre = eppo_jax.load_pretrained(args.model_dir, with_tokenizer=False)
-  model = pre.config.replace(**common.tiny_model_options())
+  model = pre.config.replace(**common.tiny_model_options(pre.config))
   out = dict(platform=jax.devices()[0].platform, jax=jax.__version__,
              weight_bytes=decode_weight_bytes(pre.params, model),
              num_params=model.num_params(), dtype=str(model.dtype))
@@ -155,7 +156,9 @@ def build_model(name: str, model_dir: str) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   import eppo_jax  # pylint: disable=g-import-not-at-top
   from eppo_jax.models.tiny import TinySpec, build_tiny_model  # pylint: disable=g-import-not-at-top
-  if name == "tiny":
+  if os.path.isfile(os.path.join(name, "config.json")):  # A converted or downloaded model.
+    shutil.copytree(name, model_dir)
+  elif name == "tiny":
     build_tiny_model(model_dir, synthetic_corpus(), TinySpec())
   elif name == "100m":
     config = eppo_jax.ModelConfig(**LLAMA_100M)
@@ -207,7 +210,9 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--cores", type=int, default=0,
                       help="cores for both sides (0 = all this process may use)")
-  parser.add_argument("--models", default="tiny", help="comma list of tiny, 100m")
+  parser.add_argument("--models", default="tiny",
+                      help="comma list of tiny, 100m or HF model directories "
+                      "(models/smollm2-135m-instruct)")
   parser.add_argument("--batch-sizes", default="1,16,64",
                       type=lambda s: [int(x) for x in s.split(",")])
   parser.add_argument("--prompt-len", type=int, default=128)

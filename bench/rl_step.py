@@ -85,6 +85,8 @@ def build_model(name: str, out_dir: str) -> str:
                        num_heads=4, num_kv_heads=2)
   if name == "tiny":
     return str(tiny.build_tiny_model(out_dir, corpus, spec))
+  if os.path.isfile(os.path.join(name, "config.json")):  # A converted or downloaded model.
+    return name
   if name != "100m":
     raise SystemExit(f"unknown --model {name!r} (tiny, 100m)")
   tokenizer = tiny.train_tokenizer(corpus, spec.vocab_size)
@@ -128,7 +130,7 @@ class OurStep:
     self.mesh = mesh = meshlib.make_mesh(meshlib.DATA_ONLY)
     pre = eppo_jax.load_pretrained(model_dir)
     self.tokenizer = pre.tokenizer
-    model = pre.config.replace(**common.tiny_model_options())
+    model = pre.config.replace(**common.tiny_model_options(pre.config))
     trainable, frozen = lora.partition(pre.params,
                                        lora.trainable_mask(pre.params, full_finetune=True))
     samp = sampling.SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0,
@@ -365,8 +367,9 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--cores", type=int, default=0,
                       help="cores for both sides (0 = all this process may use)")
-  parser.add_argument("--model", default="tiny", choices=("tiny", "100m"),
-                      help="tiny: the default config's model; 100m: a ~125M Llama")
+  parser.add_argument("--model", default="tiny",
+                      help="tiny: the default config's model; 100m: a ~125M Llama; or an HF model "
+                      "directory, e.g. models/smollm2-135m-instruct")
   parser.add_argument("--prompts", type=int, default=8, help="B prompts per step")
   parser.add_argument("--group", type=int, default=4, help="G completions per prompt")
   parser.add_argument("--new-tokens", type=int, default=32, help="N, max completion tokens")
