@@ -262,7 +262,7 @@ class Trainer:
 
   def agreed_stop(self) -> int:
     """The signal that any host received (0: none): every host gets the same answer."""
-    return hosts.global_max(self.signals.signum or 0)
+    return hosts.global_max(self._pending())
 
   def _pending(self) -> int:
     """This host's signal, for the episode loop's own agreement (`agent.collect_episodes`)."""
