@@ -188,6 +188,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.sft.steps = 120
   c.sft.batch_size = 32
   c.sft.learning_rate = 3e-3
+  # After the warm-up (a tenth of the steps): "constant" holds the rate, "cosine" decays it to 0.
+  c.sft.schedule = "constant"
 
   c.train = ml_collections.ConfigDict()
   c.train.num_steps = 30  # RL steps.

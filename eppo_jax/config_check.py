@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax
 import ml_collections
 
-from eppo_jax import agent, mesh, objective, steps
+from eppo_jax import agent, mesh, objective, programs, steps
 from eppo_jax.envs import registry
 from eppo_jax.models.config import ATTENTION_IMPLS
 
@@ -90,6 +90,7 @@ CHOICES: dict[str, tuple] = {
     # "gigpo" is computed on the host (eppo_jax.gigpo), not in objective's registry.
     "advantage_estimator": tuple(objective.ADVANTAGE_ESTIMATORS) + ("gigpo",),
     "optim.old_logprobs": steps.OLD_LOGPROBS,
+    "sft.schedule": programs.SFT_SCHEDULES,
     "model.dtype": DTYPES,
     "model.param_dtype": DTYPES,
     "model.attention_impl": ATTENTION_IMPLS,

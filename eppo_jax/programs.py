@@ -100,10 +100,17 @@ def step_config(config: ml_collections.ConfigDict, model: ModelConfig,
       old_logprobs=o.old_logprobs, group_size=r.group_size)
 
 
-def make_optimizer(lr: float, warmup: int, weight_decay: float,
-                   grad_clip: float) -> optax.GradientTransformation:
-  """AdamW (b2 0.99) after global-norm clipping, with a linear warm-up over `warmup` updates."""
-  schedule = optax.linear_schedule(0.0, lr, max(warmup, 1)) if warmup else lr
+SFT_SCHEDULES = ("constant", "cosine")
+
+
+def make_optimizer(lr: float, warmup: int, weight_decay: float, grad_clip: float,
+                   decay_steps: int = 0) -> optax.GradientTransformation:
+  """AdamW (b2 0.99) after global-norm clipping, with a linear warm-up over `warmup` updates,
+  then `lr` held, or with `decay_steps` (the updates in all) a cosine decay to 0 at the last."""
+  if decay_steps:
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), decay_steps)
+  else:
+    schedule = optax.linear_schedule(0.0, lr, max(warmup, 1)) if warmup else lr
   return optax.chain(optax.clip_by_global_norm(grad_clip),
                      optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=weight_decay))
 
@@ -115,9 +122,11 @@ def optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation
 
 
 def sft_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """The warm start's optimizer (`config.sft`): warm-up over a tenth of its steps, no decay."""
+  """The warm start's optimizer (`config.sft`): warm-up over a tenth of its steps, then
+  `sft.schedule`."""
   s = config.sft
-  return make_optimizer(s.learning_rate, max(1, s.steps // 10), 0.0, 1.0)
+  return make_optimizer(s.learning_rate, max(1, s.steps // 10), 0.0, 1.0,
+                        decay_steps=s.steps if s.schedule == "cosine" else 0)
 
 
 def init_state(config: ml_collections.ConfigDict, trainable,

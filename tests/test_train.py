@@ -396,6 +396,30 @@ jax.monitoring.register_event_duration_secs_listener(
     if event == "/jax/core/compile/backend_compile_duration" else None)
 
 
+@pytest.mark.parametrize("steps_", [10, 37])
+def test_sft_cosine_schedule_scales_adams_step_by_the_cosine(tmp_path, steps_):
+  """With the same gradients, the cosine schedule's updates are the constant schedule's times
+  0.5 (1 + cos(pi (t - w) / (T - w))) after the warm-up (Adam's moments do not see the rate),
+  equal during it, and 0 at the last step."""
+  warmup = max(1, steps_ // 10)
+  txs = [programs.sft_optimizer(smoke_config(tmp_path, **{"sft.steps": steps_, "sft.schedule": s}))
+         for s in ("constant", "cosine")]
+  params = {"w": np.zeros(3, np.float32)}
+  states = [tx.init(params) for tx in txs]
+  grads = np.random.default_rng(0).normal(size=(steps_ + 1, 3)).astype(np.float32) * 1e-2
+  for t in range(steps_ + 1):
+    updates = []
+    for i, tx in enumerate(txs):
+      u, states[i] = tx.update({"w": grads[t]}, states[i], params)
+      updates.append(np.asarray(u["w"]))
+    if t < warmup:
+      want = 1.0
+    else:
+      want = 0.5 * (1 + np.cos(np.pi * min(t - warmup, steps_ - warmup) / (steps_ - warmup)))
+    np.testing.assert_allclose(updates[1], want * updates[0], rtol=1e-5, atol=1e-12)
+  assert want == 0.0
+
+
 @pytest.mark.parametrize("overrides, field", [
     ({"method": "ppo2"}, "config.method"),
     ({"rollout.instances_per_step": 3}, "config.rollout.instances_per_step"),
@@ -410,6 +434,7 @@ jax.monitoring.register_event_duration_secs_listener(
     ({"advantage_estimator": "rloo", "per_task_std": True}, "config.per_task_std"),
     ({"optim.learning_rate": -1e-3}, "config.optim.learning_rate=-0.001 must be > 0"),
     ({"sft.learning_rate": float("nan")}, "config.sft.learning_rate=nan"),
+    ({"sft.schedule": "linear"}, "config.sft.schedule"),
     ({"train.checkpoint_every": 0}, "config.train.checkpoint_every=0 must be >= 1"),
     ({"rollout.temperature": 0.0}, "config.rollout.temperature=0.0 must be > 0"),
     ({"rollout.top_p": 1.5}, "config.rollout.top_p"),
