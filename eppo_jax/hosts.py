@@ -72,7 +72,10 @@ def put(tree, sharding_tree):
   """Places host values that every process holds in full (params, state) onto their shardings."""
   def place(x, sharding):
     if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
-      return x  # Already in place (weights loaded straight into their shardings).
+      # Already in place (weights loaded straight into their shardings): the same buffers, now
+      # labelled with `sharding` as a program's outputs will be, or a jitted step that gets them
+      # back would be traced and compiled a second time (one-device meshes).
+      return x if x.sharding == sharding else jax.device_put(x, sharding, may_alias=True)
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
   return jax.tree_util.tree_map(place, tree, sharding_tree)

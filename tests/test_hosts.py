@@ -136,3 +136,20 @@ def test_v5e_4x4_fsdp_4_tensor_4_puts_each_batch_shard_on_one_host():
   devices = list(topologies.get_topology_desc("v5e:4x4", "tpu").devices)
   mesh = meshlib.make_mesh(meshlib.MeshConfig(data=1, fsdp=4, tensor=4), devices)
   assert meshlib.host_split_shards(mesh.devices) == []
+
+
+def test_put_in_place_labels_the_arrays_so_a_donating_step_compiles_once():
+  """Arrays already on a one-device mesh's device keep their buffers but take the mesh's sharding:
+  a step that gets its own outputs back (state donated, shardings fixed) is traced once, not again
+  at its second call."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  mesh = meshlib.make_mesh(meshlib.DATA_ONLY, jax.devices()[:1])
+  sharding = {"w": jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())}
+  state = hosts.put({"w": jnp.ones(3)}, sharding)
+  step = jax.jit(lambda s: {"w": s["w"] * 2}, out_shardings=sharding, donate_argnums=0)
+  with jax.set_mesh(mesh):
+    for _ in range(3):
+      state = step(state)
+  np.testing.assert_array_equal(np.asarray(state["w"]), 8.0)
+  assert step._cache_size() == 1  # pylint: disable=protected-access
