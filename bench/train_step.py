@@ -103,7 +103,14 @@ def trainer_update(model_cfg, trainable, frozen, batch: dict, minibatches: int):
   def step(state, key):
     with jax.set_mesh(mesh):  # Traced as the trainer traces it (see `mesh.constrain_rows`).
       return update(state, frozen, batch, key)
-  return step, hosts.put(state, state_sh)
+
+  def compiled(state, key):  # The program `step` runs, for its memory analysis.
+    with jax.set_mesh(mesh):
+      return update.lower(state, frozen, batch, key).compile()
+  step.compiled = compiled
+  # Copies: placing an array where it already lies is no copy, and the update deletes what it is
+  # given, which would take the caller's params with it.
+  return step, hosts.put(jax.tree.map(jnp.copy, state), state_sh)
 
 
 # ----------------------------------------------------------------------------------------------
