@@ -2,7 +2,7 @@
 
   python bench/accelerator.py       # GPU/TPU: 0.5B and 1.5B shapes, T = 1024-4096, bf16
   python bench/accelerator.py --models qwen2.5-1.5b --seqs 2048 --attention cudnn
-  python bench/accelerator.py --models tiny --dtype float32 --tokens 256 --seqs 32,64 \
+  python bench/accelerator.py --models tiny --dtype float32 --tokens 512 --seqs 32,64 \
       --attention blockwise,dense --decode-batches 1,8 --prompt-len 32 --new-tokens 32  # CPU check
 
 Weights are random (the shape is what costs time), so nothing is downloaded.
@@ -38,7 +38,7 @@ import numpy as np
 
 from common import MODELS as CPU_MODELS
 from decode import decode_weight_bytes, time_jax
-from train_step import make_batch, trainer_update
+from train_step import GROUP, make_batch, trainer_update
 
 from eppo_jax import lora
 from eppo_jax.models import attention
@@ -165,6 +165,9 @@ def main():
   for seq in args.seqs:
     if seq < 2 or args.tokens % seq:
       parser.error(f"--seqs: {seq} must be >= 2 and divide --tokens={args.tokens}")
+    if (args.tokens // seq) % (GROUP * args.minibatches):
+      parser.error(f"--seqs: {seq} gives {args.tokens // seq} sequences per step, not a multiple "
+                   f"of {GROUP} (a group) x {args.minibatches} (--minibatches)")
   for impl in args.attention:
     if impl != "auto" and impl not in attention.IMPLEMENTATIONS:
       parser.error(f"--attention: {impl!r} is not auto or one of {attention.IMPLEMENTATIONS}")
