@@ -101,13 +101,15 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.dtype = "float32"  # Compute dtype; bfloat16 on accelerators.
   c.model.param_dtype = "float32"  # Storage dtype of the frozen base weights.
   c.model.remat = False  # Recompute layers in the backward pass (long sequences / big models).
-  # Attention kernel: "blockwise" (plain JAX, online softmax over query x key blocks: no [T, T]
-  # scores; every backend), "dense" (the reference), "xla" (jax.nn.dot_product_attention) or
-  # "cudnn" (its fused GPU kernel). Smaller blocks: less memory, more loop steps. Sequences that
-  # fit one block pair take the dense path. On CPU small blocks are also faster: the causal blocks
-  # above the diagonal are skipped and each block's softmax stays in cache (bench/README.md);
-  # accelerators want 512 (the HF presets).
-  c.model.attention_impl = "blockwise"
+  # Attention kernel: "auto" (the chip's: "splash" on TPUs, "cudnn" on NVIDIA GPUs in bfloat16 or
+  # float16, "blockwise" elsewhere), "blockwise" (plain JAX, online softmax over query x key
+  # blocks: no [T, T] scores; every backend), "dense" (the reference), "xla"
+  # (jax.nn.dot_product_attention), "cudnn" (its fused GPU kernel) or "splash" (Pallas' TPU flash
+  # attention; the update's sequences, blockwise for the rollout's cached chunks). Smaller blocks:
+  # less memory, more loop steps. Sequences that fit one block pair take the dense path. On CPU
+  # small blocks are also faster: the causal blocks above the diagonal are skipped and each block's
+  # softmax stays in cache (bench/README.md); accelerators want 512 (the HF presets).
+  c.model.attention_impl = "auto"
   c.model.attention_block_q = 64
   c.model.attention_block_k = 64
   c.model.lora_rank = 0  # 0 = full fine-tuning; >0 trains LoRA adapters only.

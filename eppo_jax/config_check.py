@@ -93,7 +93,7 @@ CHOICES: dict[str, tuple] = {
     "sft.schedule": programs.SFT_SCHEDULES,
     "model.dtype": DTYPES,
     "model.param_dtype": DTYPES,
-    "model.attention_impl": ATTENTION_IMPLS,
+    "model.attention_impl": ATTENTION_IMPLS + ("auto",),
     "tasks.system_prompt": agent.SYSTEM_PROMPTS,
     "tasks.env_backend": ENV_BACKENDS,
     "distributed.initialize": ("auto", "on", "off"),

@@ -138,7 +138,7 @@ def model_config(config, device=None):
                      f"directory or one of {sorted(MODEL_SHAPES)}")
   cfg = programs.model_config(config, hf.config_from_hf(
       h, dtype=programs.model_dtype(m.dtype, device),
-      param_dtype=programs.model_dtype(m.param_dtype, device)))
+      param_dtype=programs.model_dtype(m.param_dtype, device)), device)
   return cfg.replace(lora=programs.lora_config(config))
 
 

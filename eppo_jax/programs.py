@@ -36,6 +36,7 @@ import optax
 
 from eppo_jax import agent, objective, pacing, steps
 from eppo_jax import mesh as meshlib
+from eppo_jax.models import attention
 from eppo_jax.models.config import LoraConfig, ModelConfig
 from eppo_jax.models.transformer import forward_with_cache, init_cache
 from eppo_jax.sampling import SamplingConfig, rollout_body
@@ -46,10 +47,15 @@ BATCH_KEYS = ("tokens", "attention_mask", "loss_mask", "task_ids", "group_ids", 
 SAMPLER_KEYS = ("logprobs", "entropies")
 
 
-def model_config(config: ml_collections.ConfigDict, base: ModelConfig) -> ModelConfig:
-  """`base` (a checkpoint's shape and dtypes) computed as `config.model` asks."""
+def model_config(config: ml_collections.ConfigDict, base: ModelConfig,
+                 device=None) -> ModelConfig:
+  """`base` (a checkpoint's shape and dtypes) computed as `config.model` asks on `device` (default
+  this process's first): `attention_impl="auto"` becomes the kernel of its chip
+  (`attention.resolve`)."""
   m = config.model
-  return base.replace(remat=m.remat, attention_impl=m.attention_impl,
+  platform = (device or jax.devices()[0]).platform
+  impl = attention.resolve(m.attention_impl, platform, base.dtype)
+  return base.replace(remat=m.remat, attention_impl=impl,
                       attention_block_q=m.attention_block_q, attention_block_k=m.attention_block_k)
 
 

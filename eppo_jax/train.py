@@ -126,7 +126,7 @@ def load_model(config, workdir: Path, mesh: Optional[jax.sharding.Mesh] = None):
   pre = hf.load_pretrained(source, dtype=jnp.dtype(programs.model_dtype(m.dtype, device)),
                            param_dtype=jnp.dtype(programs.model_dtype(m.param_dtype, device)),
                            mesh=mesh)
-  model_cfg, params = programs.model_config(config, pre.config), pre.params
+  model_cfg, params = programs.model_config(config, pre.config, device), pre.params
   if lora_cfg := programs.lora_config(config):
     model_cfg, params = lora.add_lora(params, model_cfg, lora_cfg, named_keys(config.seed)["lora"])
   return model_cfg, params, pre.tokenizer

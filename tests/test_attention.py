@@ -1,4 +1,5 @@
-"""Blockwise and fused attention against the dense reference: values, gradients, compiled memory."""
+"""Blockwise, fused and splash attention against the dense reference: values, gradients, compiled
+memory. Splash (the TPU kernel) runs in Pallas' interpreter here."""
 
 import jax
 import jax.numpy as jnp
@@ -57,18 +58,40 @@ def test_blockwise_equals_dense_forward_and_gradient(name, overrides, blocks):
   assert max(float(jnp.abs(g).max()) for g in jax.tree_util.tree_leaves(grad_d)) > 0.1
 
 
-def test_xla_dot_product_attention_equals_dense():
+@pytest.mark.parametrize("impl", ["xla", "splash"])
+def test_fused_attention_equals_dense(impl):
+  """The model's logits and gradients with a left- and a right-padded row."""
   params = init_params(TINY, jax.random.PRNGKey(1))
   tokens, mask = _batch()
   weights = jax.random.normal(jax.random.PRNGKey(3), (3, 40, TINY.vocab_size))
   fwd = jax.jit(logits, static_argnums=1)
   grad = jax.jit(jax.grad(_loss), static_argnums=1)
-  dense, xla = TINY.replace(attention_impl="dense"), TINY.replace(attention_impl="xla")
+  dense, xla = TINY.replace(attention_impl="dense"), TINY.replace(attention_impl=impl)
   np.testing.assert_allclose(np.asarray(fwd(params, xla, tokens, mask))[mask],
                              np.asarray(fwd(params, dense, tokens, mask))[mask], atol=TOL, rtol=0)
   for g_d, g_x in zip(jax.tree_util.tree_leaves(grad(params, dense, tokens, mask, weights)),
                       jax.tree_util.tree_leaves(grad(params, xla, tokens, mask, weights))):
     np.testing.assert_allclose(np.asarray(g_x), np.asarray(g_d), atol=TOL, rtol=0)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's kernel needs an NVIDIA GPU")
+def test_cudnn_attention_equals_dense_on_a_gpu():
+  """cuDNN's fused kernel in bfloat16 (it has no float32 path) against the dense path in bfloat16:
+  logits and gradients with padded rows, within bfloat16's rounding."""
+  config = TINY.replace(dtype="bfloat16", head_dim=64, hidden_size=128)
+  params = init_params(config, jax.random.PRNGKey(1))
+  tokens, mask = _batch()
+  weights = jax.random.normal(jax.random.PRNGKey(3), (3, 40, config.vocab_size))
+  fwd = jax.jit(logits, static_argnums=1)
+  grad = jax.jit(jax.grad(_loss), static_argnums=1)
+  dense, cudnn = config.replace(attention_impl="dense"), config.replace(attention_impl="cudnn")
+  want = np.asarray(fwd(params, dense, tokens, mask))[mask]
+  np.testing.assert_allclose(np.asarray(fwd(params, cudnn, tokens, mask))[mask], want,
+                             atol=0.03 * np.abs(want).max(), rtol=0)
+  for g_d, g_c in zip(jax.tree_util.tree_leaves(grad(params, dense, tokens, mask, weights)),
+                      jax.tree_util.tree_leaves(grad(params, cudnn, tokens, mask, weights))):
+    g_d, g_c = np.asarray(g_d, np.float32), np.asarray(g_c, np.float32)
+    np.testing.assert_allclose(g_c, g_d, atol=0.03 * np.abs(g_d).max() + 1e-6, rtol=0)
 
 
 def test_blockwise_over_cache_and_chunk_equals_dense():
@@ -117,7 +140,7 @@ def test_chunk_behind_its_prefix_equals_the_tail_of_full_attention():
     return f
 
   want, want_grads = jax.value_and_grad(full, argnums=(0, 1, 2))(q_full, k, v)
-  for impl in ("dense", "blockwise"):
+  for impl in ("dense", "blockwise", "splash"):
     got, grads = jax.jit(jax.value_and_grad(tail(impl), argnums=(0, 1, 2)))(q_full, k, v)
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5, err_msg=impl)
     for x, y in zip(grads, want_grads):
@@ -166,6 +189,48 @@ def test_blockwise_memory_does_not_grow_with_t_squared():
   dense, blockwise = temp_bytes("dense"), temp_bytes("blockwise")
   assert dense >= scores_bytes  # The reference does hold the scores: the measure sees them.
   assert blockwise < scores_bytes / 16, (blockwise, scores_bytes)
+
+
+def test_splash_per_shard_equals_dense_on_a_data_x_tensor_mesh():
+  """Under a 2 x 2 mesh the kernel runs per shard (rows over data, key/value heads over tensor):
+  values and gradients as the dense reference's on one device."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 1, 2), ("data", "fsdp", "tensor"))
+  rng = np.random.default_rng(7)
+  b, s, t, kh, g, h = 4, 50, 50, 2, 2, 8
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  q, w = normal(b, t, kh, g, h), normal(b, t, kh, g, h)
+  k, v = normal(b, kh, s, h), normal(b, kh, s, h)
+  valid = np.ones((b, s), bool)
+  valid[1, :7] = False
+  valid[2, 30:] = False
+  valid = jnp.asarray(valid)
+
+  def loss(impl):
+    def f(q, k, v):
+      out = attention.attend(q, [KeySource(k, v, valid, True)], impl=impl, block_q=128,
+                             block_k=128, dtype=jnp.float32)
+      return jnp.sum(out * w * valid[:, :, None, None, None])
+    return jax.value_and_grad(f, argnums=(0, 1, 2))
+
+  want, want_grads = loss("dense")(q, k, v)
+  P = jax.sharding.PartitionSpec
+  put = lambda x, spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+  with jax.set_mesh(mesh):
+    got, grads = jax.jit(loss("splash"))(put(q, P(("data", "fsdp"), None, "tensor")),
+                                         put(k, P(("data", "fsdp"), "tensor")),
+                                         put(v, P(("data", "fsdp"), "tensor")))
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+  for x, y in zip(grads, want_grads):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=TOL, rtol=0)
+  assert float(jnp.abs(want_grads[0]).max()) > 0.1
+
+
+@pytest.mark.parametrize("platform,dtype,want", [
+    ("tpu", "bfloat16", "splash"), ("tpu", "float32", "splash"), ("gpu", "bfloat16", "cudnn"),
+    ("gpu", "float32", "blockwise"), ("cpu", "bfloat16", "blockwise")])
+def test_auto_names_the_kernel_of_the_chip(platform, dtype, want):
+  assert attention.resolve("auto", platform, dtype) == want
+  assert attention.resolve("dense", platform, dtype) == "dense"
 
 
 def test_bad_attention_impl_is_refused():

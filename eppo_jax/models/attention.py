@@ -1,4 +1,5 @@
-"""Attention kernels: a dense reference, a blockwise online-softmax kernel, and JAX's fused one.
+"""Attention kernels: a dense reference, a blockwise online-softmax kernel, JAX's fused one, and
+Pallas' splash attention (the TPU kernel).
 
 Shape letters: B batch, T queries, S keys, K key/value heads, G query heads per key/value head
 (grouped-query attention), H head dim.
@@ -19,6 +20,9 @@ log-sum-exp), so training memory does not grow with T x S either.
 
 A fully masked query row (a pad) gets a uniform average of the values it visited, never NaN; its
 output differs between implementations and is never read by a valid position.
+
+`resolve("auto", platform, dtype)` names the kernel for a chip: splash on TPUs, cuDNN's fused
+kernel on NVIDIA GPUs in half precision, blockwise elsewhere.
 """
 
 from __future__ import annotations
@@ -31,7 +35,21 @@ import jax
 import jax.numpy as jnp
 
 MASK_VALUE = -1e30  # Finite, so a fully masked (padding) query row gives a uniform, not NaN, row.
-IMPLEMENTATIONS = ("blockwise", "dense", "xla", "cudnn")
+IMPLEMENTATIONS = ("blockwise", "dense", "xla", "cudnn", "splash")
+SPLASH_BLOCK = 128  # The TPU kernel's tiles are multiples of 128 positions.
+
+
+def resolve(impl: str, platform: str, dtype) -> str:
+  """The kernel `impl` names on a chip of `platform` ("cpu", "gpu", "tpu") computing in `dtype`:
+  "auto" is splash on TPUs, cuDNN on GPUs in half precision (its fused kernel has no float32
+  path), blockwise elsewhere; any other name is kept."""
+  if impl != "auto":
+    return impl
+  if platform == "tpu":
+    return "splash"
+  if platform == "gpu" and jnp.dtype(dtype).itemsize == 2:
+    return "cudnn"
+  return "blockwise"
 
 
 class KeySource(NamedTuple):
@@ -291,8 +309,10 @@ def attend(q_BxTxKxGxH, sources, *, impl: str, block_q: int, block_k: int, dtype
   than one block pair's (short sequences, decode chunks), and a single query (a decode step)
   takes `single_query_attention` under every `impl` but the "dense" reference. "xla" / "cudnn"
   call `jax.nn.dot_product_attention` for the uncached causal case (one causal source, T == S)
-  and use the blockwise kernel otherwise. One causal source takes the kernel's custom VJP
-  (training memory O(S)); several sources are differentiated through the forward kernel.
+  and use the blockwise kernel otherwise; "splash" runs Pallas' kernel for any one causal source
+  (a sequence, or a chunk behind its prefix: the update) and the blockwise kernel otherwise. One
+  causal source takes the kernel's custom VJP (training memory O(S)); several sources are
+  differentiated through the forward kernel.
   """
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"attention_impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
@@ -301,6 +321,8 @@ def attend(q_BxTxKxGxH, sources, *, impl: str, block_q: int, block_k: int, dtype
   self_attention = one_causal and sources[0].k_BxKxSxH.shape[2] == t
   if impl in ("xla", "cudnn") and self_attention:
     return _fused(q_BxTxKxGxH, sources[0], impl, dtype)
+  if impl == "splash" and one_causal and t > 1:
+    return _splash(q_BxTxKxGxH, sources[0], block_q, block_k, dtype)
   if t == 1 and impl != "dense":
     return single_query_attention(q_BxTxKxGxH, sources, dtype)
   # Scores no larger than one block pair's: the dense path needs no more memory than the kernel,
@@ -329,3 +351,77 @@ def _fused(q_BxTxKxGxH, src: KeySource, impl: str, dtype):
   # A query whose every key is masked has no defined output (a fused kernel may give NaN).
   out = jnp.where(src.valid_BxS[:, :, None, None], out, 0)
   return out.reshape(b, t, kh, g, h)
+
+
+def _round_up(x: int, multiple: int) -> int:
+  return -(-x // multiple) * multiple
+
+
+def _splash_kernel(heads: int, tq: int, sk: int, offset: int, bq: int, bk: int, interpret: bool):
+  """Pallas' splash kernel for `heads` query heads of `tq` queries over `sk` keys, query i seeing
+  keys <= i + offset. Its mask tables become constants of the program being traced (not kept
+  across traces: they would be that trace's values)."""
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk_lib
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
+  mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((tq, sk), offset=offset)] * heads)
+  blocks = sk_lib.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq,
+                             block_kv_dkv=bk, block_kv_dkv_compute=bk, block_q_dq=bq,
+                             block_kv_dq=bk)
+  return sk_lib.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1,
+                                interpret=interpret)
+
+
+def _on_tpu() -> bool:
+  """Whether the program being traced runs on TPUs: the platform of the mesh in context (an AOT
+  compilation for a TPU topology from a CPU host), else the default backend's."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  platform = getattr(device, "platform", None) or jax.default_backend()
+  return platform == "tpu"
+
+
+def _splash(q_BxTxKxGxH, src: KeySource, block_q: int, block_k: int, dtype):
+  """Pallas' splash attention (flash attention with a block-sparse causal mask: the blocks above
+  the diagonal are never loaded) for one causal source, vmapped over rows and, under a mesh, run
+  per shard (rows over data x fsdp, key/value heads over tensor when they divide). Pad keys are
+  masked by segment ids (a valid query sees valid keys; a pad query sees pad keys, at least its
+  own, so no row is empty); pad query rows are zeroed. Off TPUs it runs in Pallas' interpreter
+  (the tests' reference check on CPU)."""
+  b, t, kh, g, h = q_BxTxKxGxH.shape
+  s = src.k_BxKxSxH.shape[2]
+  # Tiles of 128-multiples; queries padded at the end, keys by as many again and to a tile, so
+  # that a pad query's own (pad) key lies inside the padded keys.
+  bq = min(_round_up(block_q, SPLASH_BLOCK), _round_up(t, SPLASH_BLOCK))
+  tp = _round_up(t, bq)
+  bk = min(_round_up(block_k, SPLASH_BLOCK), _round_up(s + tp - t, SPLASH_BLOCK))
+  sp = _round_up(s + tp - t, bk)
+  q_valid_BxT = src.valid_BxS[:, s - t:]
+  scale = 1.0 / math.sqrt(h)
+  # [B,N,Tp,H] with head n = k * G + g: the kernel's key head for query head n is n // G.
+  q_BxNxTxH = (q_BxTxKxGxH.astype(jnp.float32) * scale).astype(dtype).reshape(b, t, kh * g, h)
+  q_BxNxTxH = jnp.pad(q_BxNxTxH.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, tp - t), (0, 0)))
+  pad_keys = lambda x: jnp.pad(x.astype(dtype), ((0, 0), (0, 0), (0, sp - s), (0, 0)))
+  k_BxKxSxH, v_BxKxSxH = pad_keys(src.k_BxKxSxH), pad_keys(src.v_BxKxSxH)
+  q_seg_BxT = jnp.pad(q_valid_BxT.astype(jnp.int32), ((0, 0), (0, tp - t)))
+  kv_seg_BxS = jnp.pad(src.valid_BxS.astype(jnp.int32), ((0, 0), (0, sp - s)))
+  interpret = not _on_tpu()
+
+  def run(q_BxNxTxH, k_BxKxSxH, v_BxKxSxH, q_seg_BxT, kv_seg_BxS):
+    # pylint: disable-next=g-import-not-at-top
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk_lib
+    kernel = _splash_kernel(q_BxNxTxH.shape[1], tp, sp, s - t, bq, bk, interpret)
+    one = lambda q, k, v, qs, ks: kernel(q, k, v, sk_lib.SegmentIds(q=qs, kv=ks))
+    return jax.vmap(one)(q_BxNxTxH, k_BxKxSxH, v_BxKxSxH, q_seg_BxT, kv_seg_BxS)
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty and {"data", "fsdp", "tensor"} <= set(mesh.axis_names):
+    rows = ("data", "fsdp") if b % (mesh.shape["data"] * mesh.shape["fsdp"]) == 0 else None
+    heads = "tensor" if kh % mesh.shape["tensor"] == 0 else None
+    P = jax.sharding.PartitionSpec
+    run = jax.shard_map(run, in_specs=(P(rows, heads), P(rows, heads), P(rows, heads), P(rows),
+                                       P(rows)),
+                        out_specs=P(rows, heads), check_vma=False)
+  out_BxNxTxH = run(q_BxNxTxH, k_BxKxSxH, v_BxKxSxH, q_seg_BxT, kv_seg_BxS)
+  out = out_BxNxTxH[:, :, :t].transpose(0, 2, 1, 3).reshape(b, t, kh, g, h)
+  return jnp.where(q_valid_BxT[:, :, None, None, None], out, 0).astype(dtype)

@@ -32,7 +32,7 @@ class LoraConfig:
 
 
 # Attention kernels (`models/attention.py`); "blockwise" runs on every backend.
-ATTENTION_IMPLS = ("blockwise", "dense", "xla", "cudnn")
+ATTENTION_IMPLS = ("blockwise", "dense", "xla", "cudnn", "splash")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,8 @@ class ModelConfig:
   # "blockwise": query x key blocks with an online softmax, no [B,N,T,S] scores (dense when the
   # sequence fits one block); "dense": all scores at once (the reference); "xla" / "cudnn":
   # `jax.nn.dot_product_attention` with that implementation for the uncached forward (cudnn needs
-  # an NVIDIA GPU and half precision), blockwise elsewhere.
+  # an NVIDIA GPU and half precision), blockwise elsewhere; "splash": Pallas' TPU kernel for one
+  # causal source (the update), blockwise elsewhere (`attention.attend`).
   attention_impl: str = "blockwise"
   attention_block_q: int = 512  # Queries per block of the blockwise kernel.
   attention_block_k: int = 512  # Keys per block of the blockwise kernel.
