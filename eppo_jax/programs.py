@@ -113,8 +113,9 @@ def make_optimizer(lr: float, warmup: int, weight_decay: float, grad_clip: float
                    decay_steps: int = 0) -> optax.GradientTransformation:
   """AdamW (b2 0.99) after global-norm clipping, with a linear warm-up over `warmup` updates,
   then `lr` held, or with `decay_steps` (the updates in all) a cosine decay to 0 at the last."""
-  if decay_steps:
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), decay_steps)
+  if decay_steps:  # At least one step after the warm-up (optax needs one to decay over).
+    warmup = max(warmup, 1)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(decay_steps, warmup + 1))
   else:
     schedule = optax.linear_schedule(0.0, lr, max(warmup, 1)) if warmup else lr
   return optax.chain(optax.clip_by_global_norm(grad_clip),

@@ -420,6 +420,18 @@ def test_sft_cosine_schedule_scales_adams_step_by_the_cosine(tmp_path, steps_):
   assert want == 0.0
 
 
+@pytest.mark.parametrize("steps_", [1, 2])
+def test_sft_cosine_schedule_of_one_or_two_steps_updates(tmp_path, steps_):
+  """As few SFT steps as the warm-up itself (the smoke runs): a schedule, finite updates."""
+  tx = programs.sft_optimizer(smoke_config(tmp_path, **{"sft.steps": steps_,
+                                                        "sft.schedule": "cosine"}))
+  params = {"w": np.zeros(3, np.float32)}
+  state = tx.init(params)
+  for _ in range(steps_ + 1):
+    u, state = tx.update({"w": np.ones(3, np.float32)}, state, params)
+    assert np.isfinite(np.asarray(u["w"])).all()
+
+
 @pytest.mark.parametrize("overrides, field", [
     ({"method": "ppo2"}, "config.method"),
     ({"rollout.instances_per_step": 3}, "config.rollout.instances_per_step"),
