@@ -34,7 +34,9 @@ OPTIONS = {"advantage_estimator": "gigpo",
            "rollout.extra_rounds": 1, "optim.old_logprobs": "sampler",
            "rollout.instances_per_step": 8,
            "train.eval_instances_per_task": 3, "train.export_hf": True, "train.num_steps": 2,
-           "sft.steps": 20}  # Replies that differ, so rewards that differ: a gradient.
+           # A warm start whose replies differ, so rewards that differ: a gradient (20 steps at
+           # the full rate; the cosine decay left every group's rewards equal).
+           "sft.steps": 20, "sft.schedule": "constant"}
 STOP_BOUND_S = 60  # The most a host may take to stop after another host died.
 
 
