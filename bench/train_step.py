@@ -100,13 +100,17 @@ def trainer_update(model_cfg, trainable, frozen, batch: dict, minibatches: int):
   update = programs.jit_update(cfg, tx, state_sh, frozen_sh, mesh)
   frozen, batch = hosts.put(frozen, frozen_sh), hosts.put_rows(batch, mesh)
 
-  def step(state, key):
-    with jax.set_mesh(mesh):  # Traced as the trainer traces it (see `mesh.constrain_rows`).
-      return update(state, frozen, batch, key)
+  executable = []
 
-  def compiled(state, key):  # The program `step` runs, for its memory analysis.
-    with jax.set_mesh(mesh):
-      return update.lower(state, frozen, batch, key).compile()
+  def compiled(state, key):
+    """The program `step` runs (compiled at the first call), e.g. for its memory analysis."""
+    if not executable:
+      with jax.set_mesh(mesh):  # Traced as the trainer traces it (see `mesh.constrain_rows`).
+        executable.append(update.lower(state, frozen, batch, key).compile())
+    return executable[0]
+
+  def step(state, key):
+    return compiled(state, key)(state, frozen, batch, key)
   step.compiled = compiled
   # Copies: placing an array where it already lies is no copy, and the update deletes what it is
   # given, which would take the caller's params with it.
