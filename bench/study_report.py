@@ -169,8 +169,9 @@ def write_report(root: Path, config, baseline: str, command: tuple[str, str],
               + (f" (and `--variant` for {', '.join(variants)})" if variants else "")
               + "; one process per seed with `--seeds S`.")
     if not any(root.glob("seed*/*/checkpoints")):
-      origin += (" This root is an archive (records, no checkpoints): give the training command "
-                 "a new `--root`.")
+      origin += (" This root is an archive (records, no checkpoints; the runs' configuration is "
+                 "its protocol.json, which the preset may no longer equal): give the training "
+                 "command a new `--root`.")
   else:
     origin = f"No run has finished yet; the driver is `{command[0]}`."
   lines = ["# Study report", "",

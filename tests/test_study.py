@@ -264,6 +264,10 @@ def test_driver_end_to_end_resumes_and_reports(compile_cache, tmp_path, capsys):
   capsys.readouterr()
   archived = json.loads((kept / "summary.json").read_text())
   assert archived["runs"] == summary["runs"] and archived["differences"] == summary["differences"]
+  # An archive is reported as its runs were configured, even where the preset has changed since.
+  study.main(["--root", str(kept), "--preset", "study", "--report-only"])
+  capsys.readouterr()
+  assert json.loads((kept / "summary.json").read_text())["runs"] == summary["runs"]
   assert "is an archive" in (kept / "results.md").read_text() and "is an archive" not in report
   size = lambda r: (r / "seed1" / "eppo" / "metrics.jsonl").stat().st_size
   assert size(kept) < size(tmp_path) * 0.6, (size(kept), size(tmp_path))
