@@ -1,8 +1,10 @@
-"""Environments that hang, crash or score nothing on purpose, importable by env worker processes.
+"""Environments that hang, crash or score by a known rule on purpose, importable by env worker
+processes.
 
 Each misbehaving one is a FrozenLake that misbehaves on its second step when the instance seed is
 in `BAD_SEEDS`; any other instance plays exactly like FrozenLake. `FlatLake` scores every episode
-0. Kept free of test-only imports so that a worker process can unpickle the classes quickly.
+0; `LeftLake` is a one-turn bandit that pays for "left" only. Kept free of test-only imports so
+that a worker process can unpickle the classes quickly.
 """
 
 import multiprocessing
@@ -76,8 +78,25 @@ class FlatLake(FrozenLake):
     return observation, 0.0, True, info
 
 
+class LeftLake(FrozenLake):
+  """A one-turn bandit on a FrozenLake map: "left" wins (reward 1), any other move ends the episode
+  with 0. Its expert says "left" on even instances and "right" on odd ones, so a warm start from
+  its demonstrations picks either about half the time, and only RL can prefer "left"."""
+
+  def step(self, action):
+    observation, reward, _, info = super().step(action)
+    if not info["invalid_action"]:
+      self._won = action == "left"
+      reward, info = float(self._won), self._info(invalid=False, truncated=False)
+    return observation, reward, True, info
+
+  def solve(self):
+    return ["left" if self.seed % 2 == 0 else "right"]
+
+
 NAMES = {"hanglake_test": HangingLake, "alwayshang_test": AlwaysHangingLake, "spinlake_test": SpinningLake,
-         "crashlake_test": CrashingLake, "raiselake_test": RaisingLake, "flatlake_test": FlatLake}
+         "crashlake_test": CrashingLake, "raiselake_test": RaisingLake, "flatlake_test": FlatLake,
+         "leftlake_test": LeftLake}
 
 
 def register_all() -> None:

@@ -359,8 +359,9 @@ def _round_up(x: int, multiple: int) -> int:
 
 def _splash_kernel(heads: int, tq: int, sk: int, offset: int, bq: int, bk: int, interpret: bool):
   """Pallas' splash kernel for `heads` query heads of `tq` queries over `sk` keys, query i seeing
-  keys <= i + offset. Its mask tables become constants of the program being traced (not kept
-  across traces: they would be that trace's values)."""
+  keys <= i + offset, as (q [N,Tq,H], k, v [K,Sk,H], q_seg [Tq], kv_seg [Sk]) -> [N,Tq,H]. Its
+  mask tables become constants of the program being traced (not kept across traces: they would
+  be that trace's values)."""
   # pylint: disable-next=g-import-not-at-top
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk_lib
   # pylint: disable-next=g-import-not-at-top
@@ -369,8 +370,9 @@ def _splash_kernel(heads: int, tq: int, sk: int, offset: int, bq: int, bk: int, 
   blocks = sk_lib.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq,
                              block_kv_dkv=bk, block_kv_dkv_compute=bk, block_q_dq=bq,
                              block_kv_dq=bk)
-  return sk_lib.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1,
-                                interpret=interpret)
+  kernel = sk_lib.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1,
+                                  interpret=interpret)
+  return lambda q, k, v, q_seg, kv_seg: kernel(q, k, v, sk_lib.SegmentIds(q=q_seg, kv=kv_seg))
 
 
 def _on_tpu() -> bool:
@@ -408,11 +410,8 @@ def _splash(q_BxTxKxGxH, src: KeySource, block_q: int, block_k: int, dtype):
   interpret = not _on_tpu()
 
   def run(q_BxNxTxH, k_BxKxSxH, v_BxKxSxH, q_seg_BxT, kv_seg_BxS):
-    # pylint: disable-next=g-import-not-at-top
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk_lib
     kernel = _splash_kernel(q_BxNxTxH.shape[1], tp, sp, s - t, bq, bk, interpret)
-    one = lambda q, k, v, qs, ks: kernel(q, k, v, sk_lib.SegmentIds(q=qs, kv=ks))
-    return jax.vmap(one)(q_BxNxTxH, k_BxKxSxH, v_BxKxSxH, q_seg_BxT, kv_seg_BxS)
+    return jax.vmap(kernel)(q_BxNxTxH, k_BxKxSxH, v_BxKxSxH, q_seg_BxT, kv_seg_BxS)
 
   mesh = jax.sharding.get_abstract_mesh()
   if not mesh.empty and {"data", "fsdp", "tensor"} <= set(mesh.axis_names):
