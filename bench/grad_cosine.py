@@ -96,6 +96,20 @@ def mean_pairwise_cosine(grads_NxD: np.ndarray) -> tuple[float, float]:
   return float(mean), se
 
 
+def leave_one_out_cosine(grads_NxD: np.ndarray, steps_NxD: np.ndarray) -> float:
+  """Mean over j of the cosine between batch j's update `steps_NxD[j]` and the mean gradient of
+  the other batches (an estimate of the true gradient that is independent of batch j): how well
+  an update taken on one batch follows the signal. With `steps = grads` it measures the gradient
+  itself; with `steps = sign(grads)`, Adam's first update from a fresh state (m / sqrt(v) =
+  g / |g| per weight), which moves every weight by the same amount whatever its signal."""
+  g = np.asarray(grads_NxD, np.float64)
+  others = (g.sum(0, keepdims=True) - g) / max(len(g) - 1, 1)
+  s = np.asarray(steps_NxD, np.float64)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    cos = (s * others).sum(1) / (np.linalg.norm(s, axis=1) * np.linalg.norm(others, axis=1))
+  return float(np.mean(cos))
+
+
 # ----------------------------------------------------------------------------------------------
 # Episodes -> the update's rows.
 
@@ -249,7 +263,10 @@ def main(argv=None) -> None:
         # A batch without reward variance (and no KL or entropy term) has a zero gradient: its
         # update does nothing and its cosine is undefined, so it is left out of the mean.
         mean, se = mean_pairwise_cosine(grads[norms > 0])
+        kept = grads[norms > 0]
         results.append(dict(e=e, n=int((norms > 0).sum()), mean=mean, se=se,
+                            to_rest=leave_one_out_cosine(kept, kept),
+                            sign_to_rest=leave_one_out_cosine(kept, np.sign(kept)),
                             norm=float(norms.mean()),
                             varied=float(np.mean(varied)), norms=norms.tolist(),
                             cosines=np.round(pairwise_cosines(grads), 6).tolist(),
@@ -269,12 +286,16 @@ def main(argv=None) -> None:
         ", ".join(f"{spec} {int(v)}/{int(n)}" for spec, v, n in
                   zip(trainer.specs, varied_K, groups_K)))
   print()
-  print("| E (episodes) | groups | batches (nonzero gradient) | mean cosine | s.e. | mean grad "
-        "norm | groups with reward variance per batch |")
-  print("|---|---|---|---|---|---|---|")
+  print("| E (episodes) | groups | batches (nonzero gradient) | mean cosine | s.e. | gradient to "
+        "the rest | Adam's first step to the rest | mean grad norm | groups with reward variance "
+        "per batch |")
+  print("|---|---|---|---|---|---|---|---|---|")
   for res in results:
     print(f"| {res['e']} | {res['e'] // group} | {args.batches} ({res['n']}) | {res['mean']:.4f} "
-          f"| {res['se']:.4f} | {res['norm']:.4g} | {res['varied']:.2f} |")
+          f"| {res['se']:.4f} | {res['to_rest']:.4f} | {res['sign_to_rest']:.4f} "
+          f"| {res['norm']:.4g} | {res['varied']:.2f} |")
+  print("(to the rest: the mean cosine between one batch's update and the mean gradient of the "
+        "other batches)")
   if args.save:
     Path(args.save).write_text(json.dumps(
         {"workdir": str(workdir), "checkpoint": trainer.resumed, "seed": args.seed,

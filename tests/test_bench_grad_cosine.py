@@ -38,3 +38,19 @@ def test_identical_and_opposite_batches():
   np.testing.assert_allclose(cos, [[1, 1, -1], [1, 1, -1], [-1, -1, 1]], atol=1e-12)
   np.testing.assert_allclose(grad_cosine.mean_pairwise_cosine(np.concatenate([g, 2 * g, 5 * g])),
                              (1.0, 0.0), atol=1e-12)
+
+
+def test_leave_one_out_cosine_against_a_loop_and_where_sign_loses():
+  rng = np.random.default_rng(2)
+  # The signal sits in 5 of 200 weights; every weight has noise of the same size.
+  signal = np.zeros(200)
+  signal[:5] = 3.0
+  grads = signal + rng.normal(size=(8, 200))
+  expected = []
+  for j in range(len(grads)):
+    rest = np.delete(grads, j, axis=0).mean(0)
+    expected.append(grads[j] @ rest / np.linalg.norm(grads[j]) / np.linalg.norm(rest))
+  assert np.isclose(grad_cosine.leave_one_out_cosine(grads, grads), np.mean(expected))
+  # A step that moves every weight alike spends most of its length on the 195 noise weights.
+  sign = grad_cosine.leave_one_out_cosine(grads, np.sign(grads))
+  assert sign < 0.6 * grad_cosine.leave_one_out_cosine(grads, grads)
