@@ -262,8 +262,8 @@ def main(argv=None) -> None:
         norms = np.linalg.norm(grads, axis=1)
         # A batch without reward variance (and no KL or entropy term) has a zero gradient: its
         # update does nothing and its cosine is undefined, so it is left out of the mean.
-        mean, se = mean_pairwise_cosine(grads[norms > 0])
         kept = grads[norms > 0]
+        mean, se = mean_pairwise_cosine(kept)
         results.append(dict(e=e, n=int((norms > 0).sum()), mean=mean, se=se,
                             to_rest=leave_one_out_cosine(kept, kept),
                             sign_to_rest=leave_one_out_cosine(kept, np.sign(kept)),
