@@ -103,6 +103,8 @@ def leave_one_out_cosine(grads_NxD: np.ndarray, steps_NxD: np.ndarray) -> float:
   itself; with `steps = sign(grads)`, Adam's first update from a fresh state (m / sqrt(v) =
   g / |g| per weight), which moves every weight by the same amount whatever its signal."""
   g = np.asarray(grads_NxD, np.float64)
+  if len(g) < 2:  # No other batch to compare with.
+    return float("nan")
   others = (g.sum(0, keepdims=True) - g) / max(len(g) - 1, 1)
   s = np.asarray(steps_NxD, np.float64)
   with np.errstate(invalid="ignore", divide="ignore"):
