@@ -1,0 +1,184 @@
+r"""Greedy success and pass@k per task: what sampling solves that greedy play does not.
+
+An RL update can only raise what the sampling policy already finds. Per task, on the held-out
+instances the trainer's evaluation uses (the same seeds, `TaskSampler.eval_instances`):
+
+- greedy success (one greedy episode per instance, as `Trainer.evaluate` plays it),
+- n sampled episodes per instance at the rollout's temperature, and from them pass@k, the
+  probability that at least one of k samples succeeds, by the unbiased estimator
+  1 - C(n - c, k) / C(n, k) over the instance's c successes (Chen et al. 2021), averaged over
+  instances; pass@1 is the mean sampled success,
+- the share of instances whose n samples disagree (0 < c < n): the groups of a training step
+  whose rewards can differ, so that GRPO gives them an advantage,
+- invalid actions per sampled episode, truncated episodes and turns.
+
+The policy is a run's newest checkpoint (`--workdir`, set up on a scratch copy as in
+`bench/grad_cosine.py`, so nothing there is written) or a preset's model as it loads, before any
+training (`--preset`: zero-shot; a pretrained model's own skill, e.g. `smollm2-135m`).
+
+  python bench/pass_at_k.py --workdir runs/default_sft/seed0/sft            # the warm start
+  python bench/pass_at_k.py --preset smollm2-135m --instances 32 --samples 4 --chunk 64
+  python bench/pass_at_k.py --preset smoke --instances 2 --samples 2        # smoke
+
+`--chunk` bounds the episodes played at once (each holds `rollout.max_episode_tokens` of KV
+cache). `--config.a.b=VALUE` overrides a config field, as in `bench/study.py`. One host only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+
+import common  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def pass_at_k(n: int, c: np.ndarray, k: int) -> np.ndarray:
+  """Unbiased pass@k per instance from c successes [I] among n samples: 1 - C(n-c, k) / C(n, k),
+  as the product 1 - prod_{i=n-c+1..n} (1 - k / i), which neither overflows nor cancels."""
+  if not 1 <= k <= n:
+    raise ValueError(f"pass@{k} needs 1 <= k <= n = {n} samples")
+  c = np.asarray(c)
+  i = np.arange(1, n + 1)  # [n]
+  # For instance j the factors i > n - c_j enter the product; the others are 1.
+  factors = np.where(i[None, :] > (n - c)[:, None], 1.0 - k / i[None, :], 1.0)  # [I,n]
+  return 1.0 - np.prod(factors, axis=1)
+
+
+# Per-episode fields of the sampled episodes that the table reports.
+EPISODE_FIELDS = ("success", "invalid_actions", "truncated", "turns")
+
+
+def task_table(specs, task_ids_I, greedy_I, sampled: dict, n: int, ks) -> list[dict]:
+  """One row per task from the greedy verdicts [I] and the sampled episodes' `EPISODE_FIELDS`
+  ([I * n] each, the n samples of an instance next to each other, instances in order)."""
+  rows = []
+  successes_I = sampled["success"].reshape(len(task_ids_I), n).sum(axis=1)
+  per_episode = np.repeat(task_ids_I, n)
+  for k, spec in enumerate(specs):
+    mine, eps = task_ids_I == k, per_episode == k
+    c = successes_I[mine]
+    rows.append({
+        "task": spec, "instances": int(mine.sum()),
+        "greedy": float(greedy_I[mine].mean()),
+        **{f"pass@{j}": float(pass_at_k(n, c, j).mean()) for j in ks},
+        "varied": float(((c > 0) & (c < n)).mean()),
+        **{f: float(sampled[f][eps].mean()) for f in EPISODE_FIELDS[1:]},
+    })
+  return rows
+
+
+def markdown(rows: list[dict]) -> str:
+  keys = list(rows[0])
+  lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+  for row in rows:
+    lines.append("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v)
+                                     for v in row.values()) + " |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  source = parser.add_mutually_exclusive_group(required=True)
+  source.add_argument("--workdir", help="a run or warm start with checkpoints/")
+  source.add_argument("--preset", help="a configs/multitask.py preset's model, untrained")
+  parser.add_argument("--instances", type=int, default=None,
+                      help="held-out instances per task (default: train.eval_instances_per_task)")
+  parser.add_argument("--samples", type=int, default=8, help="n, sampled episodes per instance")
+  parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8],
+                      help="pass@k for these k (those above --samples are dropped)")
+  parser.add_argument("--chunk", type=int, default=0,
+                      help="most episodes played at once (0: all)")
+  parser.add_argument("--seed", type=int, default=0, help="the sampling key")
+  parser.add_argument("--save", metavar="JSON", help="also write the table there")
+  args, extra = parser.parse_known_args(argv)
+  import study  # pylint: disable=g-import-not-at-top
+  try:
+    overrides = study.parse_overrides(extra)
+  except ValueError as e:
+    parser.error(str(e))
+  if args.samples < 1 or (args.instances is not None and args.instances < 1) or args.chunk < 0:
+    parser.error("--samples and --instances must be positive, --chunk at least 0")
+  ks = sorted({k for k in args.k if 1 <= k <= args.samples})
+  logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+  import jax  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from configs import multitask
+  from eppo_jax import agent, hosts, interrupt, train
+  # pylint: enable=g-import-not-at-top
+
+  if args.workdir:
+    config = common.load_run_config(Path(args.workdir), overrides)
+  else:
+    try:
+      config = multitask.get_config(args.preset)
+      study.apply_overrides(config, overrides)
+    except ValueError as e:
+      parser.error(str(e))
+    config.sft.enabled = False
+    config.train.tensorboard = config.train.plots = False
+    config.train.wandb_project = ""
+  per_task = args.instances or config.train.eval_instances_per_task
+  hosts.initialize(config.distributed)
+  if jax.process_count() > 1:
+    raise SystemExit("pass_at_k runs on one host")
+  train.use_compilation_cache(config.train.compilation_cache)
+
+  with tempfile.TemporaryDirectory(prefix="pass_at_k_") as scratch:
+    if args.workdir:
+      run = common.scratch_run(Path(args.workdir), config, Path(scratch))
+    else:
+      run = Path(scratch) / "run"
+    trainer = train.Trainer(config, run, interrupt.StopRequest())
+    try:
+      start = time.time()
+      trainer.setup()
+      if args.workdir and trainer.resumed is None:
+        raise SystemExit(f"no intact checkpoint under {args.workdir}/checkpoints")
+      what = (f"{args.workdir} checkpoint {trainer.resumed}" if args.workdir
+              else f"preset {args.preset}, untrained")
+      print(f"policy: {what}; set up in {time.time() - start:.0f}s", file=sys.stderr, flush=True)
+      instances = [agent.Instance(k, trainer.specs[k], seed)
+                   for k, seed in trainer.sampler.eval_instances(per_task)]
+      task_ids_I = np.array([inst.task_id for inst in instances])
+
+      def play(greedy: bool, group: int, key) -> dict:
+        """`EPISODE_FIELDS` of `group` episodes per instance (instance order), in chunks."""
+        step = max(1, args.chunk // group) if args.chunk else len(instances)
+        parts, begun = [], time.time()
+        for i in range(0, len(instances), step):
+          policy = trainer.policy(jax.random.fold_in(key, i), greedy=greedy)
+          parts.append(trainer.play(policy, instances[i:i + step], group))
+          done = min(i + step, len(instances))
+          print(f"  {'greedy' if greedy else 'sampled'}: {done}/{len(instances)} instances x "
+                f"{group}, {time.time() - begun:.0f}s", file=sys.stderr, flush=True)
+        return {f: np.concatenate([getattr(p, f) for p in parts]) for f in EPISODE_FIELDS}
+
+      greedy_I = play(True, 1, trainer.keys["eval"])["success"]
+      sampled = play(False, args.samples, jax.random.key(args.seed))
+    finally:
+      trainer.close()
+
+  rows = task_table(trainer.specs, task_ids_I, greedy_I, sampled, args.samples, ks)
+  print(f"\n{what}; {per_task} held-out instances per task, {args.samples} samples each at "
+        f"temperature {config.rollout.temperature}\n")
+  print(markdown(rows))
+  if args.save:
+    Path(args.save).write_text(json.dumps({"policy": what, "samples": args.samples,
+                                           "temperature": config.rollout.temperature,
+                                           "tasks": rows}, indent=1))
+
+
+if __name__ == "__main__":
+  main()
