@@ -13,10 +13,12 @@ from `bench/study.py`; its `config.json` is the config):
    its task-sampler position included.
 2. P batches are played with the sampling policy at that checkpoint, by the trainer's own episode
    loop (`Trainer.play_step` of the RL steps after the checkpoint's: with `--seed 0` the very
-   instances and samples training would play next, with the policy held fixed). Each batch is
-   instances_per_step x group_size episodes, GRPO groups intact, and gets its advantages as a
-   training step does (`steps.update_inputs` on the whole played batch: the config's estimator,
-   its per-task std, a left-out episode's NaN reward, GiGPO's host-side per-token advantages).
+   instances and samples training would play next, with the policy held fixed; with
+   `--same-instances` every batch replays the first batch's instances with its own samples).
+   Each batch is instances_per_step x group_size episodes, GRPO groups intact, and gets its
+   advantages as a training step does (`steps.update_inputs` on the whole played batch: the
+   config's estimator, its per-task std, a left-out episode's NaN reward, GiGPO's host-side
+   per-token advantages).
 3. For each size E (a multiple of group_size), N disjoint E-episode batches are cut from the
    played episodes in order (consecutive whole groups, as the update's minibatches are cut; a
    batch larger than a played batch spans several of them, each keeping its own advantages).
@@ -159,6 +161,9 @@ def main(argv=None) -> None:
   parser.add_argument("--seed", type=int, default=0,
                       help="0: the instances and samples training plays next; another value "
                            "draws other ones")
+  parser.add_argument("--same-instances", action="store_true",
+                      help="every played batch replays the first one's instances with new "
+                           "samples: the cosine of updates on the same instances")
   parser.add_argument("--save", metavar="JSON",
                       help="also write each size's cosine matrix and gradient norms there")
   args, extra = parser.parse_known_args(argv)
@@ -219,8 +224,10 @@ def main(argv=None) -> None:
       num_played = math.ceil(args.batches * max(args.episodes) / played)
       rows, shared, varied_G = [], [], []
       zero_var = np.zeros((2, len(trainer.specs)))
-      start = time.time()
+      start, drawn = time.time(), trainer.sampler.state_dict()
       for i in range(num_played):
+        if args.same_instances:  # The same draw of instances; the step's own sampling keys.
+          trainer.sampler.load_state_dict(drawn)
         episodes, _ = trainer.play_step(first + i)
         zero_var += groups.per_task_zero_variance(episodes, len(trainer.specs))
         varied_G.append(~groups.zero_variance(episodes))  # Groups in row order, G rows each.
@@ -282,7 +289,8 @@ def main(argv=None) -> None:
   print(f"\npolicy {workdir} (checkpoint {trainer.resumed}), {config.method}, advantages "
         f"{config.advantage_estimator}{' per-task std' if config.per_task_std else ''}, "
         f"played {num_played} x {r.instances_per_step} instances x {group} episodes "
-        f"({play_s:.0f}s), seed {args.seed}")
+        f"({play_s:.0f}s), seed {args.seed}"
+        f"{', the same instances in every batch' if args.same_instances else ''}")
   varied_K = groups_K - zero_K
   print("groups with reward variance: " + f"{int(varied_K.sum())} of {int(groups_K.sum())}; " +
         ", ".join(f"{spec} {int(v)}/{int(n)}" for spec, v, n in
@@ -301,6 +309,7 @@ def main(argv=None) -> None:
   if args.save:
     Path(args.save).write_text(json.dumps(
         {"workdir": str(workdir), "checkpoint": trainer.resumed, "seed": args.seed,
+         "same_instances": args.same_instances,
          "overrides": dict(overrides), "group_size": group,
          "groups_with_variance": varied_K.tolist(), "groups": groups_K.tolist(),
          "sizes": results}, indent=1))
