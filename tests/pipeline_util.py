@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -96,3 +97,9 @@ def runs(mask) -> list[tuple[int, int]]:
   """(start, end) of each maximal run of True in a 1-D mask."""
   edges = np.flatnonzero(np.diff(np.concatenate([[0], np.asarray(mask, int), [0]])))
   return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+
+
+def read_records(workdir: Path) -> list[dict]:
+  """A run's log records (its metrics.jsonl), in order."""
+  with open(Path(workdir) / "metrics.jsonl", encoding="utf-8") as f:
+    return [json.loads(line) for line in f]

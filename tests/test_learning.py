@@ -6,21 +6,14 @@ starts near an even choice; every part of an RL step (episodes, their rewards, g
 the loss, the optimizer, the sampler's new params) has to be right for the rate of "left" to rise.
 """
 
-import json
-
 import numpy as np
 
 import faulty_envs  # pylint: disable=unused-import  (registers the test tasks)
 
 from eppo_jax import train
-from pipeline_util import compile_cache, smoke_config  # pylint: disable=unused-import
+from pipeline_util import compile_cache, read_records, smoke_config  # pylint: disable=unused-import
 
 STEPS = 12
-
-
-def _steps(workdir) -> list[dict]:
-  with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
-    return [r for r in map(json.loads, f) if "loss" in r]
 
 
 def test_rl_raises_the_reward_of_a_bandit(compile_cache, tmp_path):
@@ -36,7 +29,8 @@ def test_rl_raises_the_reward_of_a_bandit(compile_cache, tmp_path):
       "train.eval_every": 0, "train.eval_instances_per_task": 1, "train.tensorboard": False,
       "train.plots": False, "train.export_hf": False})
   train.train(config, tmp_path / "run")
-  success = np.array([r["success"] for r in _steps(tmp_path / "run")])  # Sampled, per step.
+  # Sampled success per step.
+  success = np.array([r["success"] for r in read_records(tmp_path / "run") if "loss" in r])
   assert len(success) == STEPS
   # The warm start chooses between the two moves (its replies are valid), then RL takes "left".
   assert 0.2 <= success[:2].mean() <= 0.8, success

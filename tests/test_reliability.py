@@ -20,15 +20,10 @@ import orbax.checkpoint as ocp
 
 from eppo_jax import checkpoint, interrupt, programs, train, workdir
 from eppo_jax.checkpoint import Checkpointer, NoIntactCheckpoint
-from pipeline_util import (ROOT, assert_trees_equal, compile_cache, smoke_config, smoke_tiny_dir,
-                           state_like)
+from pipeline_util import (ROOT, assert_trees_equal, compile_cache, read_records, smoke_config,
+                           smoke_tiny_dir, state_like)
 
 LEAN = {"train.tensorboard": False, "train.plots": False, "train.export_hf": False}
-
-
-def _records(path) -> list[dict]:
-  with open(path / "metrics.jsonl", encoding="utf-8") as f:
-    return [json.loads(line) for line in f]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,7 +213,7 @@ def test_signal_finishes_the_step_saves_and_exits(smoke_tiny_dir, compile_cache,
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
       metrics = run_dir / "metrics.jsonl"
-      if metrics.exists() and any("loss" in r for r in _records(run_dir)):
+      if metrics.exists() and any("loss" in r for r in read_records(run_dir)):
         break
       time.sleep(0.5)
     assert proc.poll() is None, proc.stderr.read()[-3000:]
@@ -228,7 +223,7 @@ def test_signal_finishes_the_step_saves_and_exits(smoke_tiny_dir, compile_cache,
     proc.kill()
   assert proc.returncode == 128 + sig, err[-3000:]
   assert "Traceback" not in err, err[-3000:]
-  last = max(r["step"] for r in _records(run_dir) if "loss" in r)
+  last = max(r["step"] for r in read_records(run_dir) if "loss" in r)
   assert f"{signal.Signals(sig).name}: stopped after RL step {last} of 200" in out
   assert "rerun the same command to resume" in out
   assert Checkpointer(run_dir / "checkpoints").latest_step() == last < 200
@@ -260,7 +255,7 @@ def test_a_compilation_that_the_stop_signal_ended_is_retried(smoke_tiny_dir, tmp
     train.train(config, tmp_path / "run")
   assert calls == [1, 2, 3]
   assert Checkpointer(tmp_path / "run" / "checkpoints").latest_step() == 2
-  evaluated = lambda: [r["step"] for r in _records(tmp_path / "run") if "eval_success" in r]
+  evaluated = lambda: [r["step"] for r in read_records(tmp_path / "run") if "eval_success" in r]
   assert evaluated() == [0]
   final = train.train(config, tmp_path / "run")
   assert evaluated() == [0, 2, 3] and final["step"] == 3 and "eval_success" in final
@@ -332,7 +327,7 @@ def test_training_on_a_hanging_task_goes_on_and_leaves_nothing_behind(smoke_tiny
   start = time.perf_counter()
   train.train(config, tmp_path / "run")
   elapsed = time.perf_counter() - start
-  step = [r for r in _records(tmp_path / "run") if "loss" in r][0]
+  step = [r for r in read_records(tmp_path / "run") if "loss" in r][0]
   assert step["excluded_episodes"] >= step["env_failures"] > 0, step
   assert step["eval_env_failures"] == 1  # The hanging task's one evaluation episode.
   assert np.isfinite(step["loss"])
@@ -368,7 +363,7 @@ def test_steps_without_learning_signal_are_reported(compile_cache, tmp_path, cap
       "train.eval_every": 0, "train.eval_instances_per_task": 1})
   with caplog.at_level(logging.WARNING):
     train.train(config, tmp_path / "run")
-  steps = [r for r in _records(tmp_path / "run") if "loss" in r]
+  steps = [r for r in read_records(tmp_path / "run") if "loss" in r]
   assert [r["advantage_abs_mean"] for r in steps] == [0.0] * 6
   assert all(r["grad_norm"] == 0.0 and r["success"] == 0.0 for r in steps)
   warned = [r.getMessage() for r in caplog.records if "no signal" in r.getMessage()]

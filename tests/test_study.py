@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from pipeline_util import ROOT, compile_cache  # pylint: disable=unused-import
+from pipeline_util import ROOT, compile_cache, read_records  # pylint: disable=unused-import
 
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -223,9 +223,8 @@ def test_driver_end_to_end_resumes_and_reports(compile_cache, tmp_path, capsys):
   tasks = summary["tasks"]
   for method in ("eppo", "grpo"):
     for seed in (1,):
-      records = [json.loads(line) for line in
-                 (tmp_path / f"seed{seed}" / method / "metrics.jsonl").read_text().splitlines()]
-      evals = [r for r in records if r.get("eval_success") is not None]
+      evals = [r for r in read_records(tmp_path / f"seed{seed}" / method)
+               if r.get("eval_success") is not None]
       assert [r["step"] for r in evals] == [0, 2, 3]
       m = summary["runs"][method][str(seed)]
       assert m["final_success"] == evals[-1]["eval_success"]
@@ -280,13 +279,13 @@ def test_driver_end_to_end_resumes_and_reports(compile_cache, tmp_path, capsys):
 
   # A run cut after its step-2 checkpoint resumes there and ends where the whole run ended.
   workdir = tmp_path / "seed1" / "grpo"
-  whole = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  whole = read_records(workdir)
   (workdir / "final_metrics.json").unlink()
   shutil.rmtree(workdir / "checkpoints" / "3")
   study.main(["--root", str(tmp_path), "--preset", "smoke", "--seeds", "1", "--methods", "grpo"])
   third = capsys.readouterr().out
   assert len(_trained(third)) == 1, third
-  resumed = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  resumed = read_records(workdir)
   drop = ("time", "time/generation_s", "time/environment_s", "time/update_s", "time/step_s",
           "tokens_per_s")
   strip = lambda rs: [{k: v for k, v in r.items() if k not in drop} for r in rs]
