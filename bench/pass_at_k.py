@@ -166,6 +166,10 @@ def main(argv=None) -> None:
         return {f: np.concatenate([getattr(p, f) for p in parts]) for f in EPISODE_FIELDS}
 
       greedy_I = play(True, 1, trainer.keys["eval"])["success"]
+      # Long runs (a pretrained model on a CPU) show the greedy result before the sampling.
+      print("  greedy success: " + ", ".join(
+          f"{spec} {greedy_I[task_ids_I == k].mean():.3f}" for k, spec in enumerate(trainer.specs)),
+          file=sys.stderr, flush=True)
       sampled = play(False, args.samples, jax.random.key(args.seed))
     finally:
       trainer.close()
