@@ -19,9 +19,9 @@ import fake_gcs
 from eppo_jax import train, workdir
 from eppo_jax.checkpoint import Checkpointer
 from eppo_jax.metrics import MetricsLogger
-from pipeline_util import ROOT, smoke_config
+from pipeline_util import ROOT, read_records, smoke_config
 from test_metrics import TASKS, _log_a_run, _tensorboard_scalars
-from test_reliability import _damage, _records
+from test_reliability import _damage
 
 sys.path.insert(0, str(ROOT / "bench"))
 import pod  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -87,16 +87,16 @@ def test_metrics_at_a_url_match_a_local_run(gcs, tmp_path):
   for where, logger in loggers.items():
     logger.log(-1, {"sft_loss": 2.0})
     if where == URL:  # The first record is written at once; later ones wait (no appends on GCS).
-      assert [r["step"] for r in _records(stored)] == [-1]
+      assert [r["step"] for r in read_records(stored)] == [-1]
     _log_a_run(logger)
     if where == URL:
-      assert [r["step"] for r in _records(stored)] == [-1]
+      assert [r["step"] for r in read_records(stored)] == [-1]
     assert logger.plot() == workdir.as_path(where) / "plots.png"
     logger.close()
 
   local = tmp_path / "local"
-  untimed = lambda path: [{k: v for k, v in r.items() if k != "time"} for r in _records(path)]
-  assert [r["step"] for r in _records(stored)] == [-1, -1, 0, 1, 2]
+  untimed = lambda path: [{k: v for k, v in r.items() if k != "time"} for r in read_records(path)]
+  assert [r["step"] for r in read_records(stored)] == [-1, -1, 0, 1, 2]
   assert untimed(stored) == untimed(local)
   assert _tensorboard_scalars(stored) == _tensorboard_scalars(local)
   assert len(_tensorboard_scalars(stored)["sft_loss"]) == 3
@@ -178,7 +178,7 @@ def test_train_at_a_url_writes_every_file_there_and_resumes_from_it(gcs, tmp_pat
                                         "metrics.jsonl", "plots.png", "run_info.json",
                                         "tensorboard", "tiny_model"]
   assert os.listdir(stored / "checkpoints") == ["0"]
-  assert [r["step"] for r in _records(stored)] == [0] and "eval_success" in record
+  assert [r["step"] for r in read_records(stored)] == [0] and "eval_success" in record
   assert json.loads((stored / "final_metrics.json").read_text()) == record
   assert (tmp_path / "home" / ".cache" / "eppo_jax" / "workdirs" / "gs" / "bucket" / "run" /
           "tiny_model" / "model.safetensors").exists()

@@ -20,15 +20,10 @@ from eppo_jax.envs import FrozenLake, registry
 from eppo_jax.models.config import ModelConfig
 from eppo_jax.models.transformer import init_params
 # pylint: disable-next=unused-import
-from pipeline_util import (ROOT, assert_trees_equal, compile_cache, smoke_config, smoke_tiny_dir,
-                           state_like)
+from pipeline_util import (ROOT, assert_trees_equal, compile_cache, read_records, smoke_config,
+                           smoke_tiny_dir, state_like)
 
 LEAN = {"train.tensorboard": False, "train.plots": False, "train.export_hf": False}
-
-
-def _records(workdir) -> list[dict]:
-  with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
-    return [json.loads(line) for line in f]
 
 
 def _training_metrics(record: dict) -> dict:
@@ -49,7 +44,7 @@ def test_run_py_smoke_writes_metrics_plots_and_hf_export(smoke_tiny_dir, compile
        f"--config.model.tiny_dir={smoke_tiny_dir}"],
       cwd=ROOT, env=compile_cache, capture_output=True, text=True, timeout=900, check=False)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-  records = _records(workdir)
+  records = read_records(workdir)
   assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
   assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
   assert any(r["step"] == 0 and "eval_success" in r for r in records)  # Before RL starts.
@@ -77,7 +72,7 @@ def resume_runs(smoke_tiny_dir, compile_cache, tmp_path_factory):
   root = tmp_path_factory.mktemp("resume")
   a, b = root / "a", root / "b"
   train.train(smoke_config(smoke_tiny_dir, **LEAN, **{"train.num_steps": 2}), a)
-  before = _records(a)
+  before = read_records(a)
   # What a save killed half-way through step 3 leaves behind.
   (a / "checkpoints" / "3.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
   (a / "checkpoints" / "3.orbax-checkpoint-tmp" / "state" / "garbage").write_bytes(b"\x00" * 7)
@@ -100,8 +95,8 @@ def test_resume_is_bit_exact(resume_runs):
   assert int(state_a.step) == int(state_b.step) == 4
   assert_trees_equal(state_a, state_b)
   assert meta_a["sampler"] == meta_b["sampler"]
-  steps_a = {r["step"]: _training_metrics(r) for r in _records(a) if "loss" in r}
-  steps_b = {r["step"]: _training_metrics(r) for r in _records(b) if "loss" in r}
+  steps_a = {r["step"]: _training_metrics(r) for r in read_records(a) if "loss" in r}
+  steps_b = {r["step"]: _training_metrics(r) for r in read_records(b) if "loss" in r}
   assert sorted(steps_a) == sorted(steps_b) == [1, 2, 3, 4]
   for step in steps_a:
     assert steps_a[step] == steps_b[step], f"step {step}"
@@ -113,9 +108,9 @@ def test_resume_skips_a_partial_checkpoint(resume_runs):
   assert resume_runs["latest_with_partial"] == 2
   # The records of steps <= 2 come back from the step-2 checkpoint untouched (same wall-clock
   # stamps): the second run continued the first instead of starting over.
-  early = [r for r in _records(a) if r["step"] <= 2]
+  early = [r for r in read_records(a) if r["step"] <= 2]
   assert early == resume_runs["before"]
-  assert [r["step"] for r in _records(a) if "loss" in r] == [1, 2, 3, 4]
+  assert [r["step"] for r in read_records(a) if "loss" in r] == [1, 2, 3, 4]
 
 
 # ----------------------------------------------------------------------------------------------
