@@ -20,7 +20,8 @@ training (`--preset`: zero-shot; a pretrained model's own skill, e.g. `smollm2-1
   python bench/pass_at_k.py --preset smollm2-135m --instances 32 --samples 4 --chunk 64
   python bench/pass_at_k.py --preset smoke --instances 2 --samples 2        # smoke
 
-`--chunk` bounds the episodes played at once (each holds `rollout.max_episode_tokens` of KV
+`--show N` also prints the first greedy replies of N instances per task (what the policy writes
+where a game finds no move). `--chunk` bounds the episodes played at once (each holds `rollout.max_episode_tokens` of KV
 cache). `--config.a.b=VALUE` overrides a config field, as in `bench/study.py`. One host only.
 """
 
@@ -77,6 +78,22 @@ def task_table(specs, task_ids_I, greedy_I, sampled: dict, n: int, ks) -> list[d
   return rows
 
 
+def show_replies(tokenizer, parts, instances, per_task: int, turns: int = 3) -> None:
+  """Prints the first `turns` greedy replies of the first `per_task` instances of each task: what
+  a policy writes where the games find no move."""
+  replies = [(batch, b) for batch in parts for b in range(len(batch.rewards))]  # instance order
+  shown = {}
+  for inst, (batch, b) in zip(instances, replies):
+    if shown.setdefault(inst.spec, 0) == per_task:
+      continue
+    shown[inst.spec] += 1
+    print(f"{inst.spec} seed {inst.seed} (greedy, success {bool(batch.success[b])}, "
+          f"{int(batch.invalid_actions[b])} invalid of {int(batch.turns[b])} turns):")
+    for t, text in enumerate(batch.replies(tokenizer, b)[:turns]):
+      print(f"  turn {t + 1}: {text!r}")
+  print(flush=True)
+
+
 def markdown(rows: list[dict]) -> str:
   keys = list(rows[0])
   lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
@@ -100,6 +117,8 @@ def main(argv=None) -> None:
   parser.add_argument("--chunk", type=int, default=0,
                       help="most episodes played at once (0: all)")
   parser.add_argument("--seed", type=int, default=0, help="the sampling key")
+  parser.add_argument("--show", type=int, default=0, metavar="N",
+                      help="print the first greedy replies of N instances per task")
   parser.add_argument("--save", metavar="JSON", help="also write the table there")
   args, extra = parser.parse_known_args(argv)
   import study  # pylint: disable=g-import-not-at-top
@@ -153,8 +172,9 @@ def main(argv=None) -> None:
                    for k, seed in trainer.sampler.eval_instances(per_task)]
       task_ids_I = np.array([inst.task_id for inst in instances])
 
-      def play(greedy: bool, group: int, key) -> dict:
-        """`EPISODE_FIELDS` of `group` episodes per instance (instance order), in chunks."""
+      def play(greedy: bool, group: int, key) -> tuple[dict, list]:
+        """`EPISODE_FIELDS` of `group` episodes per instance (instance order), in chunks, and the
+        chunks' episode batches."""
         step = max(1, args.chunk // group) if args.chunk else len(instances)
         parts, begun = [], time.time()
         for i in range(0, len(instances), step):
@@ -163,14 +183,17 @@ def main(argv=None) -> None:
           done = min(i + step, len(instances))
           print(f"  {'greedy' if greedy else 'sampled'}: {done}/{len(instances)} instances x "
                 f"{group}, {time.time() - begun:.0f}s", file=sys.stderr, flush=True)
-        return {f: np.concatenate([getattr(p, f) for p in parts]) for f in EPISODE_FIELDS}
+        return {f: np.concatenate([getattr(p, f) for p in parts]) for f in EPISODE_FIELDS}, parts
 
-      greedy_I = play(True, 1, trainer.keys["eval"])["success"]
+      greedy, greedy_parts = play(True, 1, trainer.keys["eval"])
+      greedy_I = greedy["success"]
+      if args.show:
+        show_replies(trainer.tokenizer, greedy_parts, instances, args.show)
       # Long runs (a pretrained model on a CPU) show the greedy result before the sampling.
       print("  greedy success: " + ", ".join(
           f"{spec} {greedy_I[task_ids_I == k].mean():.3f}" for k, spec in enumerate(trainer.specs)),
           file=sys.stderr, flush=True)
-      sampled = play(False, args.samples, jax.random.key(args.seed))
+      sampled, _ = play(False, args.samples, jax.random.key(args.seed))
     finally:
       trainer.close()
 

@@ -13,6 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import pass_at_k  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from eppo_jax.agent import Instance  # pylint: disable=g-bad-import-order
+from eppo_jax.episodes import EpisodeBatch  # pylint: disable=g-bad-import-order
+
 
 def _enumerated(samples, k: int) -> float:
   """The share of the k-subsets of one instance's samples that hold a success."""
@@ -51,3 +54,44 @@ def test_task_table_groups_the_samples_by_instance_and_task():
   assert b["pass@1"] == 0.5 and b["pass@2"] == 1.0 and b["varied"] == 1.0
   assert a["invalid_actions"] == np.mean([0, 2, 4, 0]) and b["turns"] == 6.0
   assert a["truncated"] == 0.5
+
+
+class _Letters:
+  """A tokenizer stand-in: token id i decodes to the i-th letter."""
+
+  def decode(self, ids) -> str:
+    return "".join(chr(ord("a") + int(i)) for i in ids)
+
+
+def _chunk(replies: list[list[list[int]]], success: list[bool]) -> EpisodeBatch:
+  """Episodes whose assistant turns are `replies[b]`, each turn after one prompt token (id 25)."""
+  n = len(replies)
+  width = max(sum(len(turn) + 1 for turn in episode) for episode in replies)  # [T]
+  tokens, loss = np.full((n, width), 25, np.int32), np.zeros((n, width), bool)  # [B,T]
+  for b, episode in enumerate(replies):
+    at = 0
+    for turn in episode:
+      at += 1  # The prompt token.
+      tokens[b, at:at + len(turn)], loss[b, at:at + len(turn)] = turn, True
+      at += len(turn)
+  zeros = np.zeros(n, np.int32)
+  return EpisodeBatch(tokens=tokens, attention_mask=np.ones_like(loss), loss_mask=loss,
+                      logprobs=np.zeros(loss.shape, np.float32),
+                      entropies=np.zeros(loss.shape, np.float32), task_ids=zeros,
+                      group_ids=np.arange(n, dtype=np.int32), rewards=np.zeros(n, np.float32),
+                      success=np.array(success), turns=np.array([len(r) for r in replies]),
+                      invalid_actions=zeros, failed=np.zeros(n, bool), truncated=np.zeros(n, bool))
+
+
+def test_show_replies_pairs_each_instance_with_its_episode_across_chunks(capsys):
+  instances = [Instance(0, "a", 10), Instance(1, "b", 11), Instance(0, "a", 12),
+               Instance(1, "b", 13)]
+  # Two chunks of two episodes, in instance order; only the first instance of each task shows.
+  parts = [_chunk([[[0, 1], [2]], [[3]]], [False, True]),
+           _chunk([[[4]], [[5, 6], [7], [8]]], [False, False])]
+  pass_at_k.show_replies(_Letters(), parts, instances, per_task=1, turns=2)
+  out = capsys.readouterr().out
+  assert "a seed 10 (greedy, success False, 0 invalid of 2 turns)" in out
+  assert "turn 1: 'ab'" in out and "turn 2: 'c'" in out
+  assert "b seed 11 (greedy, success True" in out and "turn 1: 'd'" in out
+  assert "seed 12" not in out and "seed 13" not in out
