@@ -34,10 +34,13 @@ Presets (`--config=configs/multitask.py:PRESET`):
                   --config.optim.micro_batches=1) 324 s (generation 98 s, update 226 s), both
                   including compilation (the fit tool took over 2 min to compile the update);
                   that whole command 527 s (365 s of CPU).
-                  Extrapolated, not measured, from FLOPs at 25-50 GFLOP/s (bench/README.md's rate
-                  for a 134M Llama's update on this machine): the full preset's SFT (120 steps x 32
-                  demonstrations of ~500 tokens) 7-15 h, each RL step (128 episodes of up to 16
-                  turns) 1-2 h, about 2-3 days in all: on a CPU, run it shrunk as above.
+                  The SFT warm start shrunk to --config.sft.steps=30 --config.sft.batch_size=4
+                  --config.sft.demos_per_task=64 --config.optim.micro_batches=1: 658 s on one
+                  core (19-32 s per step, ~70 tokens/s; demonstrations average 344 tokens), and
+                  it already answers in the games' format (docs/results.md). Extrapolated, not
+                  measured: the full preset's SFT (600 steps x 32 demonstrations) about a day,
+                  each RL step (128 episodes of up to 16 turns) 1-2 h (FLOPs at bench/README.md's
+                  25-50 GFLOP/s for a 134M Llama's update): on a CPU, run it shrunk as above.
                   On a GPU or TPU: not measured.
 
 Any field can be overridden on the command line, e.g. `--config.method=grpo --config.seed=1`.
