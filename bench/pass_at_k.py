@@ -21,8 +21,9 @@ training (`--preset`: zero-shot; a pretrained model's own skill, e.g. `smollm2-1
   python bench/pass_at_k.py --preset smoke --instances 2 --samples 2        # smoke
 
 `--show N` also prints the first greedy replies of N instances per task (what the policy writes
-where a game finds no move). `--chunk` bounds the episodes played at once (each holds `rollout.max_episode_tokens` of KV
-cache). `--config.a.b=VALUE` overrides a config field, as in `bench/study.py`. One host only.
+where a game finds no move). `--chunk` bounds the episodes played at once (each holds
+`rollout.max_episode_tokens` of KV cache). `--config.a.b=VALUE` overrides a config field, as in
+`bench/study.py`. One host only.
 """
 
 from __future__ import annotations

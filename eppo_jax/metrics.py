@@ -259,17 +259,30 @@ class MetricsLogger:
     return tuple(np.array(v) for v in zip(*points)) if points else (np.array([]), np.array([]))
 
   def plot(self) -> Optional[epath.Path]:
-    """Per-task curves of entropy, bounds and success -> `plots.png` in the workdir."""
+    """Per-task curves of entropy, bounds and success, and the SFT warm start's loss where the run
+    trained one -> `plots.png` in the workdir."""
     if not self._plots or not self.history:
       return None
+    fig = self.figure()
+    path = self.workdir / "plots.png"
+    png = io.BytesIO()  # savefig writes local files only; the bytes go through epath.
+    fig.savefig(png, format="png", dpi=90)
+    path.write_bytes(png.getvalue())
+    return path
+
+  def figure(self):
+    """The figure `plot` writes: one panel per `PLOTTED` metric (a line per task), then the SFT
+    loss against its step (0 = the warm start's end) where the history has one."""
     # A bare Figure renders with Agg by itself: no pyplot, so the process's matplotlib backend
     # (a notebook's inline one, say) is left as it was.
     from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+    sft_steps, sft_loss = self.series("sft_loss")
+    panels = len(PLOTTED) + (len(sft_steps) > 0)
     cols = 3
-    rows = math.ceil(len(PLOTTED) / cols)
+    rows = math.ceil(panels / cols)
     fig = Figure(figsize=(5 * cols, 3.2 * rows))
-    axes = fig.subplots(rows, cols, squeeze=False)
-    for ax, (metric, title) in zip(axes.flat, PLOTTED):
+    axes = fig.subplots(rows, cols, squeeze=False).flat
+    for ax, (metric, title) in zip(axes, PLOTTED):
       for name in self.task_names:
         steps, values = self.series(f"task/{name}/{metric}")
         if len(steps):
@@ -277,14 +290,21 @@ class MetricsLogger:
       ax.set_title(title)
       ax.set_xlabel("RL step")
       ax.grid(alpha=0.3)
-    if axes.flat[0].get_legend_handles_labels()[0]:  # An SFT-only run has no per-task curve.
-      axes.flat[0].legend(fontsize=8)
+    # The task legend goes on the first panel with a curve (an SFT-only run has eval points only).
+    drawn = [ax for ax in axes[:len(PLOTTED)] if ax.get_legend_handles_labels()[0]]
+    if drawn:
+      drawn[0].legend(fontsize=8)
+    if len(sft_steps):
+      ax = axes[len(PLOTTED)]
+      ax.plot(sft_steps, sft_loss, marker="." if len(sft_steps) < 30 else None)
+      ax.set_yscale("log")
+      ax.set_title("SFT warm start loss")
+      ax.set_xlabel("SFT step (0 = its end)")
+      ax.grid(alpha=0.3)
+    for ax in axes[panels:]:
+      ax.set_visible(False)
     fig.tight_layout()
-    path = self.workdir / "plots.png"
-    png = io.BytesIO()  # savefig writes local files only; the bytes go through epath.
-    fig.savefig(png, format="png", dpi=90)
-    path.write_bytes(png.getvalue())
-    return path
+    return fig
 
   def close(self) -> None:
     if self._bar is not None:

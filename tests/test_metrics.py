@@ -79,3 +79,36 @@ def test_wandb_run_resumes_with_the_workdir(tmp_path, monkeypatch):
     ids.append(logger._wandb.id)  # pylint: disable=protected-access
     logger.close()
   assert ids[0] == ids[1] == (tmp_path / "wandb_run_id").read_text()
+
+
+def _panels(fig) -> dict:
+  """{title: [(label, x, y) of each line]} of the figure's visible panels."""
+  return {ax.get_title(): [(line.get_label(), list(line.get_xdata()), list(line.get_ydata()))
+                           for line in ax.get_lines()]
+          for ax in fig.axes if ax.get_visible()}
+
+
+def test_plots_draw_each_task_and_the_warm_start_loss(tmp_path):
+  logger = MetricsLogger(tmp_path, TASKS, 2, tensorboard=False, wandb_project="")
+  _log_a_run(logger)
+  panels = _panels(logger.figure())
+  assert panels["token entropy (nats)"] == [("sokoban:easy", [1, 2], [0.5, 1.0]),
+                                            ("countdown:easy", [1, 2], [1.0, 2.0])]
+  assert [line[1:] for line in panels["SFT warm start loss"]] == [([-1, 0], [2.0, 1.5])]
+  assert len(panels) == 7  # The 3 x 3 grid's last 2 cells are hidden.
+  logger.plot()
+  assert (tmp_path / "plots.png").read_bytes().startswith(b"\x89PNG")
+  logger.close()
+
+
+def test_a_warm_start_alone_shows_its_loss_and_eval_with_a_legend(tmp_path):
+  logger = MetricsLogger(tmp_path, TASKS, 0, tensorboard=False, wandb_project="")
+  logger.log(-1, {"sft_loss": 2.0})
+  logger.log(0, {"sft_loss": 1.5})
+  logger.log(0, {}, {"eval_success": np.array([0.25, 0.5])})
+  fig = logger.figure()
+  eval_panel = [ax for ax in fig.axes if ax.get_title() == "eval success (greedy)"][0]
+  assert eval_panel.get_legend() is not None
+  assert [ax.get_legend() for ax in fig.axes if ax is not eval_panel] == [None] * 8
+  assert _panels(fig)["SFT warm start loss"][0][1:] == ([-1, 0], [2.0, 1.5])
+  logger.close()
