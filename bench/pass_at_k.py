@@ -82,9 +82,9 @@ def task_table(specs, task_ids_I, greedy_I, sampled: dict, n: int, ks) -> list[d
 def show_replies(tokenizer, parts, instances, per_task: int, turns: int = 3) -> None:
   """Prints the first `turns` greedy replies of the first `per_task` instances of each task: what
   a policy writes where the games find no move."""
-  replies = [(batch, b) for batch in parts for b in range(len(batch.rewards))]  # instance order
+  episodes = [(batch, b) for batch in parts for b in range(len(batch.rewards))]  # instance order
   shown = {}
-  for inst, (batch, b) in zip(instances, replies):
+  for inst, (batch, b) in zip(instances, episodes):
     if shown.setdefault(inst.spec, 0) == per_task:
       continue
     shown[inst.spec] += 1
