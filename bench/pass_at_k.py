@@ -12,12 +12,17 @@ instances the trainer's evaluation uses (the same seeds, `TaskSampler.eval_insta
   whose rewards can differ, so that GRPO gives them an advantage,
 - invalid actions per sampled episode, truncated episodes and turns.
 
+`--pool train` plays the training seeds 0 .. instances - 1 of each task instead: the rooms a run
+with `tasks.train_instances` set to that number trained on (what RL learned on its own rooms,
+against the held-out ones).
+
 The policy is a run's newest checkpoint (`--workdir`, set up on a scratch copy as in
 `bench/grad_cosine.py`, so nothing there is written) or a preset's model as it loads, before any
 training (`--preset`: zero-shot; a pretrained model's own skill, e.g. `smollm2-135m`).
 
   python bench/pass_at_k.py --workdir runs/default_sft/seed0/sft            # the warm start
   python bench/pass_at_k.py --preset smollm2-135m --instances 32 --samples 4 --chunk 64
+  python bench/pass_at_k.py --workdir RUN --pool train --instances 32       # its 32 rooms
   python bench/pass_at_k.py --preset smoke --instances 2 --samples 2        # smoke
 
 `--show N` also prints the first greedy replies of N instances per task (what the policy writes
@@ -79,6 +84,14 @@ def task_table(specs, task_ids_I, greedy_I, sampled: dict, n: int, ks) -> list[d
   return rows
 
 
+def instance_list(sampler, per_task: int, pool: str) -> list[tuple[int, int]]:
+  """(task id, seed) pairs: the held-out seeds the trainer evaluates on, or the first `per_task`
+  training seeds, the pool of a run with `tasks.train_instances=per_task`."""
+  if pool == "train":
+    return [(k, seed) for k in range(sampler.num_tasks) for seed in range(per_task)]
+  return sampler.eval_instances(per_task)
+
+
 def show_replies(tokenizer, parts, instances, per_task: int, turns: int = 3) -> None:
   """Prints the first `turns` greedy replies of the first `per_task` instances of each task: what
   a policy writes where the games find no move."""
@@ -111,7 +124,9 @@ def main(argv=None) -> None:
   source.add_argument("--workdir", help="a run or warm start with checkpoints/")
   source.add_argument("--preset", help="a configs/multitask.py preset's model, untrained")
   parser.add_argument("--instances", type=int, default=None,
-                      help="held-out instances per task (default: train.eval_instances_per_task)")
+                      help="instances per task (default: train.eval_instances_per_task)")
+  parser.add_argument("--pool", choices=("held_out", "train"), default="held_out",
+                      help="held-out seeds (the evaluation's) or training seeds 0 .. instances-1")
   parser.add_argument("--samples", type=int, default=8, help="n, sampled episodes per instance")
   parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8],
                       help="pass@k for these k (those above --samples are dropped)")
@@ -170,7 +185,7 @@ def main(argv=None) -> None:
               else f"preset {args.preset}, untrained")
       print(f"policy: {what}; set up in {time.time() - start:.0f}s", file=sys.stderr, flush=True)
       instances = [agent.Instance(k, trainer.specs[k], seed)
-                   for k, seed in trainer.sampler.eval_instances(per_task)]
+                   for k, seed in instance_list(trainer.sampler, per_task, args.pool)]
       task_ids_I = np.array([inst.task_id for inst in instances])
 
       def play(greedy: bool, group: int, key) -> tuple[dict, list]:
@@ -199,11 +214,13 @@ def main(argv=None) -> None:
       trainer.close()
 
   rows = task_table(trainer.specs, task_ids_I, greedy_I, sampled, args.samples, ks)
-  print(f"\n{what}; {per_task} held-out instances per task, {args.samples} samples each at "
+  which = "held-out" if args.pool == "held_out" else "training"
+  print(f"\n{what}; {per_task} {which} instances per task, {args.samples} samples each at "
         f"temperature {config.rollout.temperature}\n")
   print(markdown(rows))
   if args.save:
-    Path(args.save).write_text(json.dumps({"policy": what, "samples": args.samples,
+    Path(args.save).write_text(json.dumps({"policy": what, "pool": args.pool,
+                                           "samples": args.samples,
                                            "temperature": config.rollout.temperature,
                                            "tasks": rows}, indent=1))
 

@@ -125,6 +125,10 @@ def base_config() -> ml_collections.ConfigDict:
   # is not in the tiny default: the tiny model gets no reward signal from it (docs/results.md).
   c.tasks.specs = ("sokoban:easy", "frozenlake:easy")
   c.tasks.weights = ()  # Sampling weight per task; () = uniform.
+  # Training instances are the seeds [0, N) of each task; 0 = all 2**31 (a new room almost every
+  # time). A small N trains on a fixed pool of levels, as Procgen's num_levels does: what RL learns
+  # on its own rooms, against the held-out ones (`bench/pass_at_k.py --pool train`).
+  c.tasks.train_instances = 0
   # System prompt: "instructions" (the task's rules; pretrained models) or "task_name" (one line;
   # the tiny model learns the format from demonstrations and cannot read rules anyway).
   c.tasks.system_prompt = "task_name"

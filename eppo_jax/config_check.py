@@ -17,6 +17,7 @@ import ml_collections
 
 from eppo_jax import agent, mesh, objective, programs, steps
 from eppo_jax.envs import registry
+from eppo_jax.envs.sampler import EVAL_SEED_OFFSET
 from eppo_jax.models.config import ATTENTION_IMPLS
 
 ENV_BACKENDS = ("auto",) + agent.ENV_BACKENDS
@@ -53,6 +54,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.lora_alpha": (_positive, "> 0"),
     "tasks.env_workers": (_at_least(0), ">= 0"),
     "tasks.step_timeout_s": (_positive, "> 0"),
+    "tasks.train_instances": (lambda x: 0 <= x <= EVAL_SEED_OFFSET,
+                              f"in [0, {EVAL_SEED_OFFSET}] (0 = every training seed)"),
     "rollout.instances_per_step": (_at_least(1), ">= 1"),
     "rollout.group_size": (_at_least(2), ">= 2 (group advantages need >= 2)"),
     "rollout.max_turns": (_at_least(1), ">= 1"),

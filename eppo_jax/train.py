@@ -221,7 +221,8 @@ class Trainer:
     self.frozen_sh = meshlib.shardings(frozen, self.mesh)
     self.state = hosts.put(state, self.state_sh)
     self.frozen = hosts.put(frozen, self.frozen_sh)
-    self.sampler = TaskSampler(self.specs, list(config.tasks.weights) or None, seed=config.seed)
+    self.sampler = TaskSampler(self.specs, list(config.tasks.weights) or None, seed=config.seed,
+                               num_train_instances=config.tasks.train_instances or None)
     self.stepper = make_stepper(config)
     self.keys = named_keys(config.seed)
     self._updates = {}  # shared prefix length -> jitted update.

@@ -56,6 +56,15 @@ def test_task_table_groups_the_samples_by_instance_and_task():
   assert a["truncated"] == 0.5
 
 
+def test_the_train_pool_is_every_seed_a_run_with_that_pool_draws():
+  from eppo_jax.envs.sampler import TaskSampler  # pylint: disable=g-import-not-at-top
+  sampler = TaskSampler(["a", "b"], seed=3, num_train_instances=5)
+  pool = pass_at_k.instance_list(sampler, 5, "train")
+  assert set(sampler.sample(400)) == set(pool) and len(pool) == 10
+  held_out = pass_at_k.instance_list(sampler, 5, "held_out")
+  assert held_out == sampler.eval_instances(5) and not set(held_out) & set(pool)
+
+
 class _Letters:
   """A tokenizer stand-in: token id i decodes to the i-th letter."""
 

@@ -305,6 +305,14 @@ def test_sampler_rejects_bad_input():
     envs.TaskSampler(["a", "c"]).load_state_dict(state)
 
 
+def test_a_sampler_resumed_from_another_pool_draws_from_its_own():
+  """A warm start's sampler state (all seeds) continues in a run on a fixed pool of 7 rooms."""
+  state = envs.TaskSampler(["a", "b"], seed=1).state_dict()
+  pooled = envs.TaskSampler(["a", "b"], seed=1, num_train_instances=7)
+  pooled.load_state_dict(state)
+  assert {seed for _, seed in pooled.sample(200)} == set(range(7))
+
+
 # --- registry ------------------------------------------------------------------------------------
 
 

@@ -446,6 +446,7 @@ def test_sft_cosine_schedule_of_one_or_two_steps_updates(tmp_path, steps_):
     ({"rollout.temperature": 0.0}, "config.rollout.temperature=0.0 must be > 0"),
     ({"rollout.top_p": 1.5}, "config.rollout.top_p"),
     ({"tasks.step_timeout_s": 0.0}, "config.tasks.step_timeout_s"),
+    ({"tasks.train_instances": -1}, "config.tasks.train_instances"),
     ({"tasks.env_backend": "gpu"}, "config.tasks.env_backend"),
     ({"model.dtype": "float8"}, "config.model.dtype"),
     ({"train.max_bad_steps": 0}, "config.train.max_bad_steps"),

@@ -68,11 +68,14 @@ class TaskSampler:
             "bit_generator": self._rng.bit_generator.state}
 
   def load_state_dict(self, state: Mapping) -> None:
-    """Restore the generator; the task list must match the one the state was saved with."""
+    """Restore the generator; the task list must match the one the state was saved with.
+
+    The training pool stays this sampler's: a run resumed from another run's checkpoint (a warm
+    start) may draw from another pool, and whether a workdir may change it is the config check's
+    decision (eppo_jax/workdir.py), not the generator's.
+    """
     if list(state["specs"]) != self.specs:
       raise ValueError(f"sampler state is for tasks {state['specs']}, not {self.specs}")
-    if int(state["num_train_instances"]) != self.num_train_instances:
-      raise ValueError("sampler state was saved with another num_train_instances")
     self.weights = [float(w) for w in state["weights"]]
     self._probs = np.asarray(self.weights) / sum(self.weights)
     self.seed = int(state["seed"])
