@@ -154,6 +154,15 @@ def _tuples(x):
   return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
 
 
+def _recorded_over(defaults: dict, recorded: dict) -> dict:
+  """`recorded`'s fields, and `defaults`' for the fields it lacks (at any depth)."""
+  out = dict(defaults)
+  for key, value in recorded.items():
+    both = isinstance(value, dict) and isinstance(defaults.get(key), dict)
+    out[key] = _recorded_over(defaults[key], value) if both else value
+  return out
+
+
 def load_run_config(workdir: Path, overrides: Sequence[tuple[str, str]] = ()):
   """A finished run's config (its `config.json`) with `overrides` ("a.b", "text") applied, for a
   scratch copy of the run: no TensorBoard, plots or W&B."""
@@ -163,7 +172,11 @@ def load_run_config(workdir: Path, overrides: Sequence[tuple[str, str]] = ()):
   if not path.exists():
     raise SystemExit(f"{path} does not exist: the workdir must hold a run (python run.py ... or "
                      "bench/study.py writes one)")
-  config = ml_collections.ConfigDict(_tuples(json.loads(path.read_text())))
+  from configs import multitask  # pylint: disable=g-import-not-at-top
+  # Fields added to the config since the run was recorded take their defaults.
+  defaults = json.loads(multitask.base_config().to_json())
+  config = ml_collections.ConfigDict(_tuples(_recorded_over(defaults,
+                                                            json.loads(path.read_text()))))
   try:
     study.apply_overrides(config, overrides)
   except ValueError as e:

@@ -65,6 +65,22 @@ def test_the_train_pool_is_every_seed_a_run_with_that_pool_draws():
   assert held_out == sampler.eval_instances(5) and not set(held_out) & set(pool)
 
 
+def test_a_run_recorded_before_a_field_existed_loads_with_its_default(tmp_path):
+  """config.json of an older run (no tasks.train_instances) loads with the default for the new
+  field and the run's own value for every recorded one."""
+  import json  # pylint: disable=g-import-not-at-top
+  import common  # pylint: disable=g-import-not-at-top
+  from configs import multitask  # pylint: disable=g-import-not-at-top
+  recorded = json.loads(multitask.base_config().to_json())
+  del recorded["tasks"]["train_instances"]
+  recorded["optim"]["learning_rate"] = 1e-3
+  recorded["tasks"]["specs"] = ["frozenlake:easy"]
+  (tmp_path / "config.json").write_text(json.dumps(recorded))
+  config = common.load_run_config(tmp_path, [("rollout.group_size", "4")])
+  assert config.tasks.train_instances == 0 and config.optim.learning_rate == 1e-3
+  assert config.tasks.specs == ("frozenlake:easy",) and config.rollout.group_size == 4
+
+
 class _Letters:
   """A tokenizer stand-in: token id i decodes to the i-th letter."""
 
