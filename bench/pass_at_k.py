@@ -14,7 +14,7 @@ instances the trainer's evaluation uses (the same seeds, `TaskSampler.eval_insta
 
 `--pool train` plays the training seeds 0 .. instances - 1 of each task instead: the rooms a run
 with `tasks.train_instances` set to that number trained on (what RL learned on its own rooms,
-against the held-out ones).
+against the held-out ones); by default all of the run's rooms, and never more than it had.
 
 The policy is a run's newest checkpoint (`--workdir`, set up on a scratch copy as in
 `bench/grad_cosine.py`, so nothing there is written) or a preset's model as it loads, before any
@@ -22,7 +22,7 @@ training (`--preset`: zero-shot; a pretrained model's own skill, e.g. `smollm2-1
 
   python bench/pass_at_k.py --workdir runs/default_sft/seed0/sft            # the warm start
   python bench/pass_at_k.py --preset smollm2-135m --instances 32 --samples 4 --chunk 64
-  python bench/pass_at_k.py --workdir RUN --pool train --instances 32       # its 32 rooms
+  python bench/pass_at_k.py --workdir RUN --pool train                      # its own rooms
   python bench/pass_at_k.py --preset smoke --instances 2 --samples 2        # smoke
 
 `--show N` also prints the first greedy replies of N instances per task (what the policy writes
@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -92,6 +93,22 @@ def instance_list(sampler, per_task: int, pool: str) -> list[tuple[int, int]]:
   return sampler.eval_instances(per_task)
 
 
+def instances_per_task(config, instances: Optional[int], pool: str) -> int:
+  """How many instances per task to play: `instances`, else the evaluation's count (held-out) or
+  the run's pool (train). ValueError for training seeds the run never drew, or for a run that
+  trained on every seed with no count given (its pool is 2^31 rooms)."""
+  if pool == "held_out":
+    return instances or config.train.eval_instances_per_task
+  rooms = config.tasks.train_instances
+  if rooms and instances and instances > rooms:
+    raise ValueError(f"--instances {instances} > this run's pool of {rooms} rooms per task "
+                     "(tasks.train_instances); seeds beyond it are rooms it never trained on")
+  if not (rooms or instances):
+    raise ValueError("--pool train needs --instances: this config trains on every seed "
+                     "(tasks.train_instances=0)")
+  return instances or rooms
+
+
 def show_replies(tokenizer, parts, instances, per_task: int, turns: int = 3) -> None:
   """Prints the first `turns` greedy replies of the first `per_task` instances of each task: what
   a policy writes where the games find no move."""
@@ -124,7 +141,8 @@ def main(argv=None) -> None:
   source.add_argument("--workdir", help="a run or warm start with checkpoints/")
   source.add_argument("--preset", help="a configs/multitask.py preset's model, untrained")
   parser.add_argument("--instances", type=int, default=None,
-                      help="instances per task (default: train.eval_instances_per_task)")
+                      help="instances per task (default: train.eval_instances_per_task; with "
+                      "--pool train, the run's tasks.train_instances)")
   parser.add_argument("--pool", choices=("held_out", "train"), default="held_out",
                       help="held-out seeds (the evaluation's) or training seeds 0 .. instances-1")
   parser.add_argument("--samples", type=int, default=8, help="n, sampled episodes per instance")
@@ -164,7 +182,10 @@ def main(argv=None) -> None:
     config.sft.enabled = False
     config.train.tensorboard = config.train.plots = False
     config.train.wandb_project = ""
-  per_task = args.instances or config.train.eval_instances_per_task
+  try:
+    per_task = instances_per_task(config, args.instances, args.pool)
+  except ValueError as e:
+    parser.error(str(e))
   hosts.initialize(config.distributed)
   if jax.process_count() > 1:
     raise SystemExit("pass_at_k runs on one host")

@@ -65,6 +65,22 @@ def test_the_train_pool_is_every_seed_a_run_with_that_pool_draws():
   assert held_out == sampler.eval_instances(5) and not set(held_out) & set(pool)
 
 
+def test_the_train_pool_defaults_to_the_runs_rooms_and_refuses_rooms_it_never_had():
+  from configs import multitask  # pylint: disable=g-import-not-at-top
+  config = multitask.base_config()
+  config.train.eval_instances_per_task = 64
+  assert pass_at_k.instances_per_task(config, None, "held_out") == 64
+  assert pass_at_k.instances_per_task(config, 500, "held_out") == 500
+  with pytest.raises(ValueError, match="needs --instances"):
+    pass_at_k.instances_per_task(config, None, "train")  # Every seed: no pool to default to.
+  assert pass_at_k.instances_per_task(config, 8, "train") == 8
+  config.tasks.train_instances = 32
+  assert pass_at_k.instances_per_task(config, None, "train") == 32
+  assert pass_at_k.instances_per_task(config, 4, "train") == 4
+  with pytest.raises(ValueError, match="33 > this run's pool of 32"):
+    pass_at_k.instances_per_task(config, 33, "train")
+
+
 def test_a_run_recorded_before_a_field_existed_loads_with_its_default(tmp_path):
   """config.json of an older run (no tasks.train_instances) loads with the default for the new
   field and the run's own value for every recorded one."""
