@@ -31,9 +31,10 @@ KNOWN_METHODS = ("eppo", "grpo", "dapo", "clip_cov", "kl_cov")
 NUM_RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0
 # The logged numbers an archived run keeps: what the report reads, and what docs/results.md quotes
-# (bounds, clipping, KL, invalid actions). Timings and the rest of a record are dropped.
+# (the warm start's loss, bounds, clipping, KL, invalid actions). Timings and the rest of a record
+# are dropped.
 ARCHIVED_KEY = re.compile(
-    r"(step|success|eval_success|entropy|entropy_crossovers|num_entropy_spikes|approx_kl|"
+    r"(step|sft_loss|success|eval_success|entropy|entropy_crossovers|num_entropy_spikes|approx_kl|"
     r"grad_norm|advantage_abs_mean|clip_frac_low|clip_frac_high|truncated|zero_variance_groups|"
     r"task/[^/]+/(eval_success|success|entropy|action_entropy|entropy_spikes|eps_low|eps_high|"
     r"clip_frac_low|clip_frac_high|approx_kl|invalid_actions|eval_invalid_actions|turns|"

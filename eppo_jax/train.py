@@ -302,11 +302,19 @@ class Trainer:
         pad_id=self.tokenizer.pad_token_id, stop=self._pending)
 
   def evaluate(self) -> tuple[dict, dict]:
-    """Greedy episodes on each task's fixed held-out seeds -> (scalars, per-task arrays)."""
-    n = self.config.train.eval_instances_per_task
+    """Greedy episodes on each task's fixed held-out seeds -> (scalars, per-task arrays).
+
+    Played a rollout batch at a time (instances_per_step x group_size episodes over all hosts):
+    the KV cache and the policy's buffers are sized, and checked by the fit tool, for that
+    batch, while eval_instances_per_task x tasks may be many times larger (128 x 2 episodes of
+    a 2304-slot cache are 27 GiB of float32 cache for SmolLM2-135M)."""
+    n, r = self.config.train.eval_instances_per_task, self.config.rollout
     instances = [agent.Instance(k, self.specs[k], seed)
                  for k, seed in self.sampler.eval_instances(n)]
-    episodes = self.play(self.policy(self.keys["eval"], greedy=True), this_host(instances), 1)
+    policy, chunk = self.policy(self.keys["eval"], greedy=True), r.instances_per_step * r.group_size
+    # Every host plays the same number of chunks: each turn is one program over all hosts.
+    episodes = groups.concat([self.play(policy, this_host(instances[i:i + chunk]), 1)
+                              for i in range(0, len(instances), chunk)])
     return metrics.episode_metrics(gather_episodes(episodes), len(self.specs), "eval_")
 
   # --------------------------------------------------------------------------------------------

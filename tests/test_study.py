@@ -259,6 +259,10 @@ def test_driver_end_to_end_resumes_and_reports(compile_cache, tmp_path, capsys):
   study.main(report_only + ["--archive", str(kept)])
   assert "records of 3 finished runs" in capsys.readouterr().out
   assert not list(kept.rglob("checkpoints")) and (kept / "seed1" / "sft" / "metrics.jsonl").exists()
+  # The warm start's loss curve is kept (its records are its SFT steps).
+  sft = read_records(kept / "seed1" / "sft")
+  assert [r["sft_loss"] for r in sft if r["step"] < 0] == [
+      r["sft_loss"] for r in read_records(tmp_path / "seed1" / "sft") if r["step"] < 0] != []
   study.main(["--root", str(kept), "--preset", "smoke", "--report-only"])
   capsys.readouterr()
   archived = json.loads((kept / "summary.json").read_text())

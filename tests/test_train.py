@@ -14,6 +14,8 @@ import pytest
 
 import eppo_jax
 from eppo_jax import config_check, hosts, objective, pacing, programs, steps, train
+from eppo_jax.agent import Instance
+from eppo_jax.metrics import episode_metrics
 from eppo_jax import mesh as meshlib
 from eppo_jax.checkpoint import Checkpointer
 from eppo_jax.envs import FrozenLake, registry
@@ -380,6 +382,32 @@ def test_loop_stops_after_max_bad_steps_with_a_usable_checkpoint(smoke_tiny_dir,
   assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(stopped))
   assert [r["excluded_episodes"] for r in meta["history"] if "loss" in r] == [8, 8]
   assert [r["nonfinite_rewards"] for r in meta["history"] if "loss" in r] == [8, 8]
+
+
+def test_evaluation_is_played_a_rollout_batch_at_a_time(smoke_tiny_dir, compile_cache, tmp_path):
+  """More evaluation episodes than a rollout batch are played in batches of at most its size (the
+  cache the rollout is sized for), with the same greedy episodes and metrics as one batch of all."""
+  del compile_cache
+  config = smoke_config(smoke_tiny_dir, **LEAN, **{
+      "sft.enabled": False, "train.num_steps": 0, "train.eval_instances_per_task": 3,
+      "rollout.instances_per_step": 2, "rollout.group_size": 2})
+  trainer = train.Trainer(config, tmp_path)
+  trainer.setup()
+  played, play = [], trainer.play
+  trainer.play = lambda policy, instances, g: played.append(len(instances) * g) or play(
+      policy, instances, g)
+  try:
+    scalars, per_task = trainer.evaluate()
+    instances = [Instance(k, trainer.specs[k], seed)
+                 for k, seed in trainer.sampler.eval_instances(3)]
+    whole = play(trainer.policy(trainer.keys["eval"], greedy=True), instances, 1)
+  finally:
+    trainer.close()
+  assert len(trainer.specs) == 2 and played == [4, 2]  # 2 tasks x 3 instances, 2 x 2 at a time.
+  ref_scalars, ref_per_task = episode_metrics(whole, len(trainer.specs), "eval_")
+  assert scalars == ref_scalars and set(per_task) == set(ref_per_task)
+  for key, value in ref_per_task.items():
+    np.testing.assert_array_equal(per_task[key], value, err_msg=key)
 
 
 # ----------------------------------------------------------------------------------------------
