@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import re
 import sys
@@ -133,6 +134,16 @@ class Checkpointer:
     self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                      meta=ocp.args.JsonSave(meta)), force=True)
     self._manager.wait_until_finished()
+
+  def update_meta(self, step: int, meta: dict) -> None:
+    """Rewrites the meta of checkpoint `step`, its arrays untouched: for what changed after the
+    save, such as an evaluation that completed. Process 0 writes it, as orbax's JsonSave does,
+    through a temporary file, so a crash leaves the old meta or the new one, never a part."""
+    if jax.process_index() == 0:
+      path = self.directory / str(step) / "meta" / "metadata"  # JsonSave's file.
+      partial = path.with_name("metadata.partial")
+      partial.write_text(json.dumps(meta))
+      partial.replace(path)
 
   def restore(self, like: Any, step: Optional[int] = None) -> tuple[Any, dict]:
     """Restores arrays shaped like `like`, on its leaves' shardings; the latest step by default.

@@ -253,10 +253,12 @@ class Trainer:
   def save(self, sampler_state: Optional[dict] = None) -> None:
     """Checkpoints the current step; `sampler_state` replaces the sampler's current one (that
     of the step's start, when a stop abandons the step)."""
-    self.ckpt.save(self.step, self.state, {
-        "sampler": sampler_state or self.sampler.state_dict(), "history": self.logger.history,
-        "eval_due": self.eval_due, "config": self.config.to_json()})
+    self.ckpt.save(self.step, self.state, self.meta(sampler_state))
     self._saved = (self.step, self.eval_due)
+
+  def meta(self, sampler_state: Optional[dict] = None) -> dict:
+    return {"sampler": sampler_state or self.sampler.state_dict(), "history": self.logger.history,
+            "eval_due": self.eval_due, "config": self.config.to_json()}
 
   # --------------------------------------------------------------------------------------------
   # Stopping on a signal.
@@ -307,14 +309,19 @@ class Trainer:
     Played a rollout batch at a time (instances_per_step x group_size episodes over all hosts):
     the KV cache and the policy's buffers are sized, and checked by the fit tool, for that
     batch, while eval_instances_per_task x tasks may be many times larger (128 x 2 episodes of
-    a 2304-slot cache are 27 GiB of float32 cache for SmolLM2-135M)."""
+    2304 slots are a 25 GiB float32 KV cache for SmolLM2-135M)."""
     n, r = self.config.train.eval_instances_per_task, self.config.rollout
     instances = [agent.Instance(k, self.specs[k], seed)
                  for k, seed in self.sampler.eval_instances(n)]
     policy, chunk = self.policy(self.keys["eval"], greedy=True), r.instances_per_step * r.group_size
+    played, start = [], time.time()
     # Every host plays the same number of chunks: each turn is one program over all hosts.
-    episodes = groups.concat([self.play(policy, this_host(instances[i:i + chunk]), 1)
-                              for i in range(0, len(instances), chunk)])
+    for i in range(0, len(instances), chunk):
+      played.append(self.play(policy, this_host(instances[i:i + chunk]), 1))
+      if len(instances) > chunk:  # Long evaluations say how far they are.
+        log.info("evaluation: %d of %d episodes in %.0fs", min(i + chunk, len(instances)),
+                 len(instances), time.time() - start)
+    episodes = groups.concat(played)
     return metrics.episode_metrics(gather_episodes(episodes), len(self.specs), "eval_")
 
   # --------------------------------------------------------------------------------------------
@@ -540,6 +547,12 @@ class Trainer:
       except interrupt.StopNow as stopping:
         raise self.stopped(stopping.signum) from None
       self.eval_due = False
+      if self._saved == (self.step, True):
+        # The checkpoint (saved before the evaluation, so that SFT survives a failure in it) now
+        # records it as done: a run resumed from here (every arm of a study, a run extended
+        # after `num_steps=0`) does not play it again.
+        self.ckpt.update_meta(self.step, self.meta())
+        self._saved = (self.step, False)
     # A run resumed at its last step logs nothing new: its result is its last step's records.
     record = {k: v for r in self.logger.history if r["step"] == self.step for k, v in r.items()}
     while (step := self.step + 1) <= self.config.train.num_steps:

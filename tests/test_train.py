@@ -115,6 +115,25 @@ def test_resume_skips_a_partial_checkpoint(resume_runs):
   assert [r["step"] for r in read_records(a) if "loss" in r] == [1, 2, 3, 4]
 
 
+def test_a_warm_start_evaluated_once_is_not_evaluated_again_on_resume(
+    smoke_tiny_dir, compile_cache, tmp_path, monkeypatch):
+  """A run of 0 RL steps (a warm start and its evaluation) extended to 1 step plays the step-0
+  evaluation once: its checkpoint, saved before the evaluation, records it as done."""
+  del compile_cache
+  overrides = {**LEAN, "sft.steps": 2, "train.eval_every": 0, "train.eval_instances_per_task": 1}
+  played, evaluate = [], train.Trainer.evaluate
+  monkeypatch.setattr(train.Trainer, "evaluate",
+                      lambda trainer: played.append(trainer.step) or evaluate(trainer))
+  train.train(smoke_config(smoke_tiny_dir, **overrides, **{"train.num_steps": 0}), tmp_path)
+  _, meta = Checkpointer(tmp_path / "checkpoints").restore(
+      state_like(smoke_config(smoke_tiny_dir, **overrides), tmp_path))
+  assert not meta["eval_due"] and any("eval_success" in r for r in meta["history"])
+  train.train(smoke_config(smoke_tiny_dir, **overrides, **{"train.num_steps": 1}), tmp_path)
+  assert played == [0, 1]  # Not [0, 0, 1].
+  evals = [r["step"] for r in read_records(tmp_path) if "eval_success" in r]
+  assert evals == [0, 1]
+
+
 # ----------------------------------------------------------------------------------------------
 # train_step on 1 vs 4 devices, and non-finite batches.
 
