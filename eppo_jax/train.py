@@ -257,6 +257,7 @@ class Trainer:
     self._saved = (self.step, self.eval_due)
 
   def meta(self, sampler_state: Optional[dict] = None) -> dict:
+    """What a checkpoint keeps besides the arrays (JSON)."""
     return {"sampler": sampler_state or self.sampler.state_dict(), "history": self.logger.history,
             "eval_due": self.eval_due, "config": self.config.to_json()}
 
