@@ -290,6 +290,8 @@ class MetricsLogger:
       ax.set_title(title)
       ax.set_xlabel("RL step")
       ax.grid(alpha=0.3)
+      # Values as they are: a bound that stays at 0.2 is not drawn as "1e-7 + 1.99997e-1".
+      ax.ticklabel_format(axis="y", useOffset=False)
     # The task legend goes on the first panel with a curve (an SFT-only run has eval points only).
     drawn = [ax for ax in axes[:len(PLOTTED)] if ax.get_legend_handles_labels()[0]]
     if drawn:
