@@ -180,11 +180,14 @@ def test_train_at_a_url_writes_every_file_there_and_resumes_from_it(gcs, tmp_pat
   assert os.listdir(stored / "checkpoints") == ["0"]
   assert [r["step"] for r in read_records(stored)] == [0] and "eval_success" in record
   assert json.loads((stored / "final_metrics.json").read_text()) == record
+  # The checkpoint, saved before the evaluation, records it as done, through the URL.
+  meta = json.loads((stored / "checkpoints" / "0" / "meta" / "metadata").read_text())
+  assert not meta["eval_due"] and [r["step"] for r in meta["history"]] == [0]
   assert (tmp_path / "home" / ".cache" / "eppo_jax" / "workdirs" / "gs" / "bucket" / "run" /
           "tiny_model" / "model.safetensors").exists()
 
   with caplog.at_level(logging.INFO, logger="eppo_jax"):
-    again = train.train(config, URL)  # Evaluates step 0 again (its checkpoint is from before).
+    again = train.train(config, URL)  # Nothing left to do: step 0's records come back.
   untimed = lambda r: {k: v for k, v in r.items() if k != "time"}
   assert untimed(again) == untimed(record)
   assert f"resumed from {URL}/checkpoints/0 at RL step 0" in caplog.text
