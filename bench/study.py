@@ -2,7 +2,8 @@ r"""The evidence study: methods compared from one SFT warm start per seed, resum
 
 For each seed the warm start runs once (`train.num_steps=0`: the SFT stage for the tiny model,
 the LoRA initialisation for an HF preset); every method then continues from a copy of that step-0
-checkpoint, so methods differ only in the RL objective. Layout under --root:
+checkpoint and its evaluation (played once), so methods differ only in the RL objective. Layout
+under --root:
 
   protocol.json                the configuration every run of this root shares (checked on reuse)
   seed<S>/sft/                 the warm start of seed S
