@@ -126,17 +126,18 @@ def free_port() -> int:
 
 
 def launch(argv_of, n: int, log_dir: Path, devices: Optional[int] = None,
-           env: Optional[dict] = None, cwd=None) -> list[subprocess.Popen]:
+           env: Optional[dict] = None, cwd=None, xla_flags: str = "") -> list[subprocess.Popen]:
   """Starts `argv_of(i)` for i < n, each with its output in `log_dir/host{i}.log`.
 
-  `devices` sets each process's CPU device count (XLA_FLAGS); None leaves XLA_FLAGS to the script
-  (removed from the inherited environment). Each process gets HOST_VAR = its index.
+  `devices` sets each process's CPU device count (XLA_FLAGS, followed by `xla_flags`); None leaves
+  XLA_FLAGS to the script (removed from the inherited environment). Each process gets HOST_VAR =
+  its index.
   """
   log_dir.mkdir(parents=True, exist_ok=True)
   base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   base.update(env or {})
   if devices is not None:
-    base["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    base["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {xla_flags}".strip()
   procs = []
   for i in range(n):
     log = open(log_dir / f"host{i}.log", "w")  # pylint: disable=consider-using-with
@@ -287,6 +288,7 @@ class Pod:
   overrides: dict = dataclasses.field(default_factory=dict)
   fail: str = ""  # FAIL_VAR for every host: "HOST:reset" or "HOST:step".
   slow_s: float = 0.0  # SLOW_VAR for every host.
+  xla_flags: str = ""  # More XLA_FLAGS for every host.
   procs: list = dataclasses.field(default_factory=list)
   exited: dict = dataclasses.field(default_factory=dict)  # host -> time.monotonic() at its exit.
 
@@ -300,7 +302,8 @@ class Pod:
         sys.executable, __file__, "host", "--process-id", str(i), "--processes",
         str(self.processes), "--port", str(port), "--workdir", str(self.workdir), "--out",
         str(self.logs / f"out{i}.json"), "--overrides", overrides], self.processes, self.logs,
-                        self.devices, env={FAIL_VAR: self.fail, SLOW_VAR: str(self.slow_s)})
+                        self.devices, env={FAIL_VAR: self.fail, SLOW_VAR: str(self.slow_s)},
+                        xla_flags=self.xla_flags)
     self.started = time.monotonic()
     return self
 
@@ -429,6 +432,7 @@ def main(argv=None) -> None:
   parser.add_argument("--timeout", type=float, default=900, help="seconds per pod run")
   parser.add_argument("--dir", default="/tmp/eppo_pod", help="workdirs and logs")
   parser.add_argument("--set", nargs="*", default=[], help="more overrides, section.field=JSON")
+  parser.add_argument("--xla-flags", default="", help="more XLA_FLAGS for every host")
   args = parser.parse_args(argv)
   if args.command == "host":
     sys.exit(host_main(args))
@@ -446,7 +450,7 @@ def main(argv=None) -> None:
                  "distributed.heartbeat_timeout_s": args.heartbeat,
                  **{k: json.loads(v) for k, v in (a.split("=", 1) for a in args.set)}}
     return Pod(processes, args.devices, base / name, base / name / "logs", overrides, fail,
-               args.slow)
+               args.slow, xla_flags=args.xla_flags)
 
   import shutil  # pylint: disable=g-import-not-at-top
   name = f"{args.scenario}_{args.processes}x{args.devices}"
